@@ -1,0 +1,135 @@
+"""``apply_update`` and ``apply_update_``: one optimizer step on the masters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from mpfunc import _dtypes, _tree
+from mpfunc._optimizer import Optimizer
+
+__all__ = ["apply_update", "apply_update_"]
+
+
+def _check(fn: str, masters: Any, g32: Any, opt: object) -> None:
+    if not isinstance(opt, Optimizer):
+        raise TypeError(
+            f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/torch_optimizer), "
+            f"got {type(opt).__name__}"
+        )
+    m_leaves, m_spec = _tree.flatten(masters)
+    g_leaves, g_spec = _tree.flatten(g32)
+    _tree.check_same_structure(fn, "masters", masters, m_spec, "grads", g32, g_spec)
+    _tree.check_tensor_or_none(fn, "masters", masters, m_leaves)
+    _tree.check_tensor_or_none(fn, "grads", g32, g_leaves)
+    for i, (m, g) in enumerate(zip(m_leaves, g_leaves)):
+        if m is None:
+            if g is not None:
+                _tree.fail(
+                    ValueError, fn, _tree.leaf_path(g32, i, "grads"),
+                    "None (this leaf has no master: init_master gives none to non-floating "
+                    "params)", _tree.describe(g),
+                )  # fmt: skip
+            continue
+        if m.dtype not in _dtypes.MASTER_DTYPES:
+            _tree.fail(
+                TypeError,
+                fn,
+                _tree.leaf_path(masters, i, "masters"),
+                "a float32 or float64 master",
+                _tree.describe(m),
+            )
+        if g is None:
+            continue
+        path = _tree.leaf_path
+        if g.dtype != m.dtype:
+            _tree.fail(
+                TypeError,
+                fn,
+                path(g32, i, "grads"),
+                f"{m.dtype} (the master's dtype)",
+                _tree.describe(g),
+                "Cast grads with grads_to_fp32 first.",
+            )
+        if g.shape != m.shape:
+            _tree.fail(
+                ValueError,
+                fn,
+                path(g32, i, "grads"),
+                f"shape {tuple(m.shape)} (the master's)",
+                f"shape {tuple(g.shape)}",
+            )
+        if g.device != m.device:
+            _tree.fail(
+                ValueError,
+                fn,
+                path(g32, i, "grads"),
+                f"device {m.device} (the master's)",
+                f"device {g.device}",
+            )
+
+
+def _clone(tree: Any) -> Any:
+    return optree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree, none_is_leaf=True
+    )
+
+
+def apply_update(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[Any, Any]:
+    """One optimizer step, returning new masters and state; the inputs are not modified.
+
+    Leaves whose grad is ``None`` keep their values (torch.optim skips them too).
+
+    Args:
+      masters: the fp32 master tree.
+      g32: grads of the masters' structure and dtypes (from ``grads_to_fp32``), or ``None``.
+      state: the optimizer state, from ``opt.init(masters)`` or a previous step.
+      opt: an ``Optimizer`` such as ``mpfunc.adamw(...)``.
+
+    Returns:
+      ``(new_masters, new_state)``, fresh tensors sharing nothing with the inputs.
+
+    Raises:
+      TypeError: ``opt`` is not an Optimizer or is in-place only (``torch_optimizer``), a
+        leaf is not a tensor or ``None``, or a grad's dtype is not its master's.
+      ValueError: the trees differ in structure, a shape or device differs, or ``state``
+        does not belong to these masters.
+    """
+    fn = "apply_update"
+    _check(fn, masters, g32, opt)
+    if not opt.functional:
+        raise TypeError(
+            f"{fn}: opt: {opt.name} updates its tensors in place and cannot be copied; "
+            "use apply_update_"
+        )
+    new_masters, new_state = _clone(masters), _clone(state)
+    with torch.no_grad():
+        opt.update_(new_masters, g32, new_state)
+    return new_masters, new_state
+
+
+def apply_update_(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[Any, Any]:
+    """One optimizer step, in place: masters and state tensors are overwritten.
+
+    Every check runs before the first write, so a bad input leaves everything as it
+    was. On CPU and CUDA, Adam/AdamW use torch's fused kernels and allocate nothing;
+    elsewhere the foreach path runs in chunks, so temporaries stay bounded.
+
+    Args:
+      masters: the fp32 master tree, updated in place.
+      g32: grads of the masters' structure and dtypes, or ``None`` to skip a leaf.
+      state: the optimizer state, updated in place.
+      opt: an ``Optimizer``.
+
+    Returns:
+      ``(masters, state)``, the same objects, for symmetry with ``apply_update``.
+
+    Raises:
+      TypeError, ValueError: as ``apply_update``.
+    """
+    _check("apply_update_", masters, g32, opt)
+    with torch.no_grad():
+        opt.update_(masters, g32, state)
+    return masters, state

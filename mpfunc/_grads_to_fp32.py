@@ -1,0 +1,122 @@
+"""``grads_to_fp32`` and ``grads_to_fp32_``: low-precision grads into full precision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpfunc import _dtypes, _grouping, _tree
+
+__all__ = ["grads_to_fp32", "grads_to_fp32_"]
+
+
+def _check_grads(fn: str, grads: Any, leaves: list[Any]) -> None:
+    _tree.check_tensor_or_none(fn, "grads", grads, leaves)
+    for i, g in enumerate(leaves):
+        if g is not None and not _dtypes.is_floating(g):
+            _tree.fail(
+                TypeError,
+                fn,
+                _tree.leaf_path(grads, i, "grads"),
+                "a floating-point grad",
+                _tree.describe(g),
+                "Non-floating parameters have no master and take no grad; pass None there.",
+            )
+
+
+def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """Returns a new tree with every grad cast to ``dtype`` (fp32 by default).
+
+    The cast is exact: every bf16/fp16 value is representable in fp32.
+    ``None`` grads (parameters that took no gradient) stay ``None``.
+
+    Args:
+      grads: a tree of floating-point tensors or ``None``, e.g.
+        ``{n: p.grad for n, p in model.named_parameters()}``.
+      dtype: ``torch.float32`` (default) or ``torch.float64``.
+
+    Returns:
+      A tree of ``grads``' structure with fresh tensors of ``dtype``.
+
+    Raises:
+      TypeError: a leaf is not a tensor or ``None``, or a grad is not floating point.
+      ValueError: ``dtype`` is not float32 or float64.
+    """
+    fn = "grads_to_fp32"
+    dtype = _dtypes.check_master_dtype(fn, dtype)
+    leaves, spec = _tree.flatten(grads)
+    _check_grads(fn, grads, leaves)
+    with torch.no_grad():
+        out = [None if g is None else g.detach().to(dtype=dtype, copy=True) for g in leaves]
+    return _tree.unflatten(spec, out)
+
+
+def grads_to_fp32_(grads: Any, out: Any) -> Any:
+    """Copies ``grads`` into the preallocated full-precision tree ``out``, in place.
+
+    Allocates nothing: each grad is written into ``out``'s matching tensor with
+    one foreach copy per (device, dtype) group. Where a grad is ``None``, ``out``'s
+    tensor is left untouched and the returned tree holds ``None``, so a parameter
+    without a grad is skipped by ``apply_update`` exactly as torch.optim skips it.
+
+    Args:
+      grads: a tree of floating-point tensors or ``None``.
+      out: a tree of ``grads``' structure holding float32/float64 tensors of the
+        grads' shapes and devices, e.g. from ``init_master(params)``. It may hold
+        ``None`` where ``grads`` does.
+
+    Returns:
+      A tree of ``grads``' structure holding ``out``'s tensors, ``None`` where the
+      grad is ``None``. Use it as the ``g32`` argument of ``apply_update``.
+
+    Raises:
+      TypeError: a leaf is not a tensor or ``None``, a grad is not floating point, or
+        an ``out`` tensor is not float32/float64.
+      ValueError: the trees differ in structure, or a shape or device differs.
+      Nothing is written unless every check passes.
+    """
+    fn = "grads_to_fp32_"
+    g_leaves, g_spec = _tree.flatten(grads)
+    o_leaves, o_spec = _tree.flatten(out)
+    _tree.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
+    _check_grads(fn, grads, g_leaves)
+    _tree.check_tensor_or_none(fn, "out", out, o_leaves)
+    for i, (g, o) in enumerate(zip(g_leaves, o_leaves)):
+        if g is None:
+            continue
+        if o is None:
+            _tree.fail(
+                ValueError,
+                fn,
+                _tree.leaf_path(out, i, "out"),
+                "a tensor to copy the grad into",
+                "None",
+            )
+        if o.dtype not in _dtypes.MASTER_DTYPES:
+            _tree.fail(
+                TypeError,
+                fn,
+                _tree.leaf_path(out, i, "out"),
+                "a float32 or float64 tensor",
+                _tree.describe(o),
+            )
+        if o.shape != g.shape:
+            _tree.fail(
+                ValueError,
+                fn,
+                _tree.leaf_path(out, i, "out"),
+                f"shape {tuple(g.shape)} (the grad's)",
+                f"shape {tuple(o.shape)}",
+            )
+        if o.device != g.device:
+            _tree.fail(
+                ValueError,
+                fn,
+                _tree.leaf_path(out, i, "out"),
+                f"device {g.device} (the grad's)",
+                f"device {o.device}",
+            )
+    pairs = [(o, g) for g, o in zip(g_leaves, o_leaves) if g is not None]
+    _grouping.copy_grouped_([o for o, _ in pairs], [g for _, g in pairs])
+    return _tree.unflatten(g_spec, [None if g is None else o for g, o in zip(g_leaves, o_leaves)])

@@ -1,0 +1,216 @@
+"""What an mpfunc optimizer is, and the checks every optimizer shares.
+
+An optimizer is a pair of functions, in the spirit of optax: ``init`` builds a
+state tree from the masters, and ``update_`` steps masters and state in place.
+``apply_update`` (pure) and ``apply_update_`` (in place) are the entry points
+users call; they check masters against grads before the optimizer runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Union
+
+import torch
+from optree import PyTreeSpec
+
+from mpfunc import _grouping, _tree
+
+__all__ = [
+    "LR",
+    "Optimizer",
+    "check_choice",
+    "check_lr",
+    "check_nonneg",
+    "check_unit_interval",
+    "lr_on",
+    "state_field_leaves",
+]
+
+LR = Union[float, torch.Tensor]
+
+
+class Optimizer(NamedTuple):
+    """An optimizer over master trees: ``init(masters) -> state`` and an in-place step.
+
+    ``update_(masters, grads, state)`` validates ``state`` against ``masters``
+    before writing anything, then updates both in place; leaves whose grad is
+    ``None`` are skipped, as torch.optim skips parameters without ``.grad``.
+    Build one with ``mpfunc.sgd``, ``mpfunc.adam``, ``mpfunc.adamw`` or
+    ``mpfunc.torch_optimizer``; call it through ``apply_update``/``apply_update_``.
+    """
+
+    init: Callable[[Any], Any]
+    update_: Callable[[Any, Any, Any], None]
+    # False when the state is not a tree of tensors (torch.optim interop): such an
+    # optimizer cannot be copied, so only apply_update_ accepts it.
+    functional: bool = True
+    name: str = "optimizer"
+
+
+def check_lr(fn: str, lr: object) -> LR:
+    """A learning rate is a float >= 0 or a 0-d floating tensor (read at every step).
+
+    A tensor's value is not checked: reading it would wait on the device.
+    """
+    if isinstance(lr, torch.Tensor):
+        if lr.ndim != 0 or not lr.is_floating_point():
+            raise TypeError(
+                f"{fn}: lr: expected a float or a 0-d floating-point tensor, got "
+                f"{_tree.describe(lr)}"
+            )
+        return lr
+    return check_nonneg(fn, "lr", lr)
+
+
+def check_nonneg(fn: str, name: str, value: object) -> float:
+    """A finite float >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{fn}: {name}: expected a float >= 0, got {type(value).__name__}")
+    value = float(value)
+    if not (value >= 0.0 and math.isfinite(value)):
+        raise ValueError(f"{fn}: {name}: expected a finite float >= 0, got {value}")
+    return value
+
+
+def check_unit_interval(fn: str, name: str, value: object) -> float:
+    """A float in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{fn}: {name}: expected a float in [0, 1), got {type(value).__name__}")
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{fn}: {name}: expected a float in [0, 1), got {value}")
+    return value
+
+
+def check_choice(fn: str, name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{fn}: {name}: expected one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def lr_on(lr: LR, device: torch.device, cache: dict[torch.device, LR]) -> LR:
+    """``lr`` for one device group: a float as is, a tensor moved (once per step) to the device."""
+    if not isinstance(lr, torch.Tensor):
+        return lr
+    if device not in cache:
+        cache[device] = lr.to(device=device, dtype=torch.float32, non_blocking=True)
+    return cache[device]
+
+
+def state_field_leaves(
+    fn: str,
+    field: str,
+    tree: Any,
+    masters: Any,
+    m_leaves: Sequence[torch.Tensor | None],
+    m_spec: PyTreeSpec,
+    kind: str,
+) -> list[torch.Tensor | None]:
+    """Flattens one state field and checks it against the masters.
+
+    ``kind`` is ``"moment"`` (same shape, dtype and device as the master) or
+    ``"step"`` (a 0-d float32 tensor on the master's device). The field must have
+    the masters' structure, with ``None`` exactly where the master is ``None``.
+    """
+
+    def path(i: int) -> str:
+        return _tree.leaf_path(tree, i, f"state.{field}")
+
+    leaves, spec = _tree.flatten(tree)
+    if spec != m_spec:
+        raise ValueError(
+            f"{fn}: state.{field} does not match the masters' tree structure; expected "
+            f"{m_spec}, got {spec}. Was this state made by opt.init() for these masters?"
+        )
+    for i, (s, m) in enumerate(zip(leaves, m_leaves)):
+        if m is None:
+            if s is not None:
+                _tree.fail(
+                    ValueError,
+                    fn,
+                    _tree.leaf_path(tree, i, f"state.{field}"),
+                    "None (this leaf has no master)",
+                    _tree.describe(s),
+                )
+            continue
+        if not isinstance(s, torch.Tensor):
+            _tree.fail(TypeError, fn, path(i), "a tensor", _tree.describe(s))
+        if kind == "step":
+            if s.shape != () or s.dtype != torch.float32:
+                _tree.fail(ValueError, fn, path(i), "a 0-d float32 step count", _tree.describe(s))
+        elif s.shape != m.shape or s.dtype != m.dtype:
+            _tree.fail(
+                ValueError,
+                fn,
+                path(i),
+                f"{m.dtype} of shape {tuple(m.shape)} (the master's)",
+                _tree.describe(s),
+                "Was this state made by opt.init() for these masters?",
+            )
+        if s.device != m.device:
+            _tree.fail(ValueError, fn, path(i), f"device {m.device}", f"device {s.device}")
+    return leaves
+
+
+def zeros_like_masters(masters: Any) -> Any:
+    """A moment tree: zeros shaped like each master, ``None`` where it is ``None``."""
+    leaves, spec = _tree.flatten(masters)
+    return _tree.unflatten(
+        spec,
+        [
+            None if m is None else torch.zeros_like(m, memory_format=torch.preserve_format)
+            for m in leaves
+        ],
+    )
+
+
+def steps_like_masters(masters: Any) -> Any:
+    """A step tree: a 0-d float32 zero on each master's device, as torch.optim keeps it."""
+    leaves, spec = _tree.flatten(masters)
+    return _tree.unflatten(
+        spec,
+        [
+            None if m is None else torch.zeros((), dtype=torch.float32, device=m.device)
+            for m in leaves
+        ],
+    )
+
+
+def groups_with_grads(
+    m_leaves: Sequence[torch.Tensor | None], g_leaves: Sequence[torch.Tensor | None]
+) -> dict[tuple[object, ...], list[int]]:
+    """Positions with both a master and a grad, grouped by the master's (device, dtype)."""
+    keys: list[tuple[object, ...] | None] = [
+        None if (m is None or g is None) else (m.device, m.dtype)
+        for m, g in zip(m_leaves, g_leaves)
+    ]
+    return _grouping.group_indices(keys)
+
+
+def plan(
+    impl: str,
+    lr: LR,
+    m_leaves: Sequence[torch.Tensor | None],
+    g_leaves: Sequence[torch.Tensor | None],
+    has_fused: bool,
+) -> list[tuple[str, LR, list[int]]]:
+    """The step's work list: (implementation, lr on that device, positions) per kernel call.
+
+    Leaves with a master and a grad are grouped by the master's (device, dtype);
+    foreach groups on eager devices are split into bounded runs.
+    """
+    lrs: dict[torch.device, LR] = {}
+    work: list[tuple[str, LR, list[int]]] = []
+    for (device, dtype), idx in groups_with_grads(m_leaves, g_leaves).items():
+        assert isinstance(device, torch.device) and isinstance(dtype, torch.dtype)
+        chosen = _grouping.resolve_impl(impl, device, dtype, has_fused)
+        lr_d = lr_on(lr, device, lrs)
+        runs = _grouping.chunks(idx, m_leaves, device) if chosen == "foreach" else [idx]
+        work.extend((chosen, lr_d, run) for run in runs)
+    return work
+
+
+def pick(seq: Sequence[Any], idx: Sequence[int]) -> list[Any]:
+    return [seq[i] for i in idx]

@@ -1,0 +1,85 @@
+"""``torch_optimizer``: run any ``torch.optim.Optimizer`` class over the masters, in place."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from mpfunc import _tree
+from mpfunc._optimizer import Optimizer
+
+__all__ = ["TorchOptimizerState", "torch_optimizer"]
+
+
+class TorchOptimizerState(NamedTuple):
+    """Holds the ``torch.optim`` instance, built over the masters' own tensors.
+
+    ``optimizer.state_dict()`` is how to checkpoint it.
+    """
+
+    optimizer: torch.optim.Optimizer
+
+
+def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optimizer:
+    """Wraps a ``torch.optim`` optimizer class so it steps mpfunc's masters.
+
+    This is the recipe of the original report, per-tensor: the torch optimizer
+    is built over the master tensors themselves (``init``), and each
+    ``apply_update_`` lends it the fp32 grads as ``.grad``, calls ``step()``, and
+    takes them back. It updates masters in place, so only ``apply_update_``
+    accepts it; ``apply_update`` (pure) raises ``TypeError``. Prefer
+    ``mpfunc.adamw`` & co.: they are sync-free on XLA and their state is a tree.
+
+    Args:
+      cls: a ``torch.optim.Optimizer`` subclass, e.g. ``torch.optim.RMSprop``.
+      **kwargs: its hyperparameters, passed through (torch checks them).
+
+    Returns:
+      An ``Optimizer`` whose state is a ``TorchOptimizerState``.
+
+    Raises:
+      TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass.
+
+    Example::
+
+      opt = mpfunc.torch_optimizer(torch.optim.RMSprop, lr=1e-3)
+      state = opt.init(masters)
+      masters, state = mpfunc.apply_update_(masters, g32, state, opt)
+    """
+    fn = "torch_optimizer"
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"{fn}: cls: expected a torch.optim.Optimizer subclass, got {cls!r}")
+
+    def init(masters: Any) -> TorchOptimizerState:
+        leaves, _ = _tree.flatten(masters)
+        _tree.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
+        tensors = [m for m in leaves if m is not None]
+        return TorchOptimizerState(cls(tensors, **kwargs))
+
+    def update_(masters: Any, grads: Any, state: Any) -> None:
+        where = "apply_update_"
+        if not isinstance(state, TorchOptimizerState):
+            raise TypeError(
+                f"{where}: state: expected the TorchOptimizerState made by "
+                f"torch_optimizer({cls.__name__}, ...).init(masters), got {type(state).__name__}"
+            )
+        m_leaves, _ = _tree.flatten(masters)
+        g_leaves, _ = _tree.flatten(grads)
+        owned = [p for group in state.optimizer.param_groups for p in group["params"]]
+        pairs = [(m, g) for m, g in zip(m_leaves, g_leaves) if m is not None]
+        if len(owned) != len(pairs) or any(a is not b for a, (b, _) in zip(owned, pairs)):
+            raise ValueError(
+                f"{where}: state: expected a {cls.__name__} built over these very master "
+                f"tensors ({len(pairs)} of them), got one over {len(owned)} other tensors. "
+                "torch.optim keeps its state by tensor identity: call opt.init(masters) again."
+            )
+        try:
+            for m, g in pairs:
+                m.grad = g
+            state.optimizer.step()
+        finally:
+            for m, _ in pairs:
+                m.grad = None
+
+    return Optimizer(init=init, update_=update_, functional=False, name=f"torch.{cls.__name__}")

@@ -1,0 +1,122 @@
+"""How mpfunc reads trees. Every other module flattens through here.
+
+The rules, fixed in one place:
+
+* A tree is anything optree flattens in its default namespace: dicts (keys
+  sorted), lists, tuples, NamedTuples, and nested mixes of those.
+* ``None`` is a leaf (``none_is_leaf=True``). It marks "no tensor here" and keeps
+  its slot, so a grad tree with ``None`` for an unused parameter still lines up
+  leaf for leaf with the parameter tree.
+* Every other leaf must be a ``torch.Tensor``.
+* A leaf's path is its keys joined with dots, ``"layers.0.weight"``, the form
+  that ``model.named_parameters()`` uses. Paths are built only for error
+  messages, so the hot path never pays for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import optree
+import torch
+from optree import PyTreeSpec
+
+__all__ = [
+    "check_same_structure",
+    "check_tensor_or_none",
+    "describe",
+    "fail",
+    "flatten",
+    "leaf_path",
+    "unflatten",
+]
+
+_NONE_IS_LEAF = True
+
+
+def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Flattens ``tree`` into its leaves (``None`` included) and its spec."""
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    """Rebuilds a tree of ``spec``'s shape from ``leaves``."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def _format_key(key: Any) -> str:
+    return str(key)
+
+
+def format_path(path: Sequence[Any]) -> str:
+    """``("layers", 0, "weight")`` -> ``"layers.0.weight"``; the root is ``"<root>"``."""
+    return ".".join(_format_key(k) for k in path) if path else "<root>"
+
+
+def leaf_path(tree: Any, index: int, prefix: str = "") -> str:
+    """The dotted path of the ``index``-th leaf of ``tree``, for error messages."""
+    paths = optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF)
+    path = format_path(paths[index])
+    if prefix:
+        return prefix if path == "<root>" else f"{prefix}.{path}"
+    return path
+
+
+def describe(x: Any) -> str:
+    """A short description of what arrived, for error messages."""
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    if x is None:
+        return "None"
+    return f"{type(x).__name__} {x!r:.60}"
+
+
+def fail(
+    cls: type[Exception], fn: str, path: str, expected: str, got: str, hint: str = ""
+) -> NoReturn:
+    """Raises ``cls`` with mpfunc's message form: where, what was expected, what arrived."""
+    msg = f"{fn}: at {path!r}: expected {expected}, got {got}"
+    if hint:
+        msg += f". {hint}"
+    raise cls(msg)
+
+
+def check_tensor_or_none(fn: str, name: str, tree: Any, leaves: Sequence[Any]) -> None:
+    """Raises ``TypeError`` naming the first leaf that is neither a tensor nor ``None``."""
+    for i, leaf in enumerate(leaves):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            fail(TypeError, fn, leaf_path(tree, i, name), "a tensor or None leaf", describe(leaf))
+
+
+def _first_difference(a: Any, b: Any) -> str:
+    """Explains where two trees first differ, by path."""
+    pa = [format_path(p) for p in optree.tree_paths(a, none_is_leaf=_NONE_IS_LEAF)]
+    pb = [format_path(p) for p in optree.tree_paths(b, none_is_leaf=_NONE_IS_LEAF)]
+    set_b = set(pb)
+    set_a = set(pa)
+    for p in pa:
+        if p not in set_b:
+            return f"{p!r} is in the first tree but not in the second"
+    for p in pb:
+        if p not in set_a:
+            return f"{p!r} is in the second tree but not in the first"
+    return "the leaf paths match but the container types differ"
+
+
+def _short(spec: PyTreeSpec, limit: int = 200) -> str:
+    text = str(spec)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_same_structure(
+    fn: str, name_a: str, a: Any, spec_a: PyTreeSpec, name_b: str, b: Any, spec_b: PyTreeSpec
+) -> None:
+    """Raises ``ValueError`` if two trees differ in structure, naming the first differing path."""
+    if spec_a == spec_b:
+        return
+    where = _first_difference(a, b).replace("first tree", name_a).replace("second tree", name_b)
+    raise ValueError(
+        f"{fn}: {name_a} and {name_b} must have the same tree structure: {where}; "
+        f"expected {_short(spec_a)}, got {_short(spec_b)}"
+    )
