@@ -148,8 +148,7 @@ def _make(fn: str, h: _Hyper) -> Optimizer:
             max_exp_avg_sq=zeros(masters) if h.amsgrad else None,
         )
 
-    def update_(masters: Any, grads: Any, state: Any) -> None:
-        where = "apply_update"
+    def update_(masters: Any, grads: Any, state: Any, where: str) -> None:
         if not isinstance(state, AdamState):
             raise TypeError(
                 f"{where}: state: expected the AdamState made by {fn}(...).init(masters), got "
@@ -168,11 +167,14 @@ def _make(fn: str, h: _Hyper) -> Optimizer:
         if h.amsgrad:
             VM = field("max_exp_avg_sq")
         elif state.max_exp_avg_sq is not None:
-            raise ValueError(f"{where}: state.max_exp_avg_sq: expected None (amsgrad=False)")
+            raise ValueError(
+                f"{where}: state.max_exp_avg_sq: expected None (amsgrad=False), got "
+                f"{type(state.max_exp_avg_sq).__name__}"
+            )
         else:
             VM = [None] * len(m_leaves)
         # Resolve every group's kernel before the first write: an error leaves all as it was.
-        plan = _optimizer.plan(h.impl, h.lr, m_leaves, g_leaves, has_fused=True)
+        plan = _optimizer.plan(where, h.impl, h.lr, masters, m_leaves, g_leaves, has_fused=True)
         for impl, lr, run in plan:
             _KERNELS[impl](
                 pick(m_leaves, run), pick(g_leaves, run), pick(M, run), pick(V, run),

@@ -17,7 +17,7 @@ def _check(fn: str, masters: Any, g32: Any, opt: object) -> None:
     if not isinstance(opt, Optimizer):
         raise TypeError(
             f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/torch_optimizer), "
-            f"got {type(opt).__name__}"
+            f"got {_tree.describe(opt)}"
         )
     m_leaves, m_spec = _tree.flatten(masters)
     g_leaves, g_spec = _tree.flatten(g32)
@@ -106,7 +106,7 @@ def apply_update(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[An
         )
     new_masters, new_state = _clone(masters), _clone(state)
     with torch.no_grad():
-        opt.update_(new_masters, g32, new_state)
+        opt.update_(new_masters, g32, new_state, fn)
     return new_masters, new_state
 
 
@@ -129,7 +129,8 @@ def apply_update_(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[A
     Raises:
       TypeError, ValueError: as ``apply_update``.
     """
-    _check("apply_update_", masters, g32, opt)
+    fn = "apply_update_"
+    _check(fn, masters, g32, opt)
     with torch.no_grad():
-        opt.update_(masters, g32, state)
+        opt.update_(masters, g32, state, fn)
     return masters, state

@@ -34,15 +34,16 @@ LR = Union[float, torch.Tensor]
 class Optimizer(NamedTuple):
     """An optimizer over master trees: ``init(masters) -> state`` and an in-place step.
 
-    ``update_(masters, grads, state)`` validates ``state`` against ``masters``
-    before writing anything, then updates both in place; leaves whose grad is
+    ``update_(masters, grads, state, fn)`` validates ``state`` against ``masters``
+    before writing anything (errors name ``fn``, the caller), then updates both in
+    place; leaves whose grad is
     ``None`` are skipped, as torch.optim skips parameters without ``.grad``.
     Build one with ``mpfunc.sgd``, ``mpfunc.adam``, ``mpfunc.adamw`` or
     ``mpfunc.torch_optimizer``; call it through ``apply_update``/``apply_update_``.
     """
 
     init: Callable[[Any], Any]
-    update_: Callable[[Any, Any, Any], None]
+    update_: Callable[[Any, Any, Any, str], None]
     # False when the state is not a tree of tensors (torch.optim interop): such an
     # optimizer cannot be copied, so only apply_update_ accepts it.
     functional: bool = True
@@ -120,8 +121,9 @@ def state_field_leaves(
 
     leaves, spec = _tree.flatten(tree)
     if spec != m_spec:
+        where = _tree.first_difference(masters, tree, "masters", f"state.{field}")
         raise ValueError(
-            f"{fn}: state.{field} does not match the masters' tree structure; expected "
+            f"{fn}: state.{field} must have the masters' tree structure: {where}; expected "
             f"{m_spec}, got {spec}. Was this state made by opt.init() for these masters?"
         )
     for i, (s, m) in enumerate(zip(leaves, m_leaves)):
@@ -190,8 +192,10 @@ def groups_with_grads(
 
 
 def plan(
+    fn: str,
     impl: str,
     lr: LR,
+    masters: Any,
     m_leaves: Sequence[torch.Tensor | None],
     g_leaves: Sequence[torch.Tensor | None],
     has_fused: bool,
@@ -205,7 +209,12 @@ def plan(
     work: list[tuple[str, LR, list[int]]] = []
     for (device, dtype), idx in groups_with_grads(m_leaves, g_leaves).items():
         assert isinstance(device, torch.device) and isinstance(dtype, torch.dtype)
-        chosen = _grouping.resolve_impl(impl, device, dtype, has_fused)
+        try:
+            chosen = _grouping.resolve_impl(impl, device, dtype, has_fused)
+        except ValueError as e:
+            raise ValueError(
+                f"{fn}: at {_tree.leaf_path(masters, idx[0], 'masters')!r}: {e}"
+            ) from None
         lr_d = lr_on(lr, device, lrs)
         runs = _grouping.chunks(idx, m_leaves, device) if chosen == "foreach" else [idx]
         work.extend((chosen, lr_d, run) for run in runs)

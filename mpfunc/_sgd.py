@@ -147,8 +147,7 @@ def sgd(
             momentum_buffer=_optimizer.zeros_like_masters(masters) if h.momentum else None,
         )
 
-    def update_(masters: Any, grads: Any, state: Any) -> None:
-        where = "apply_update"
+    def update_(masters: Any, grads: Any, state: Any, where: str) -> None:
         if not isinstance(state, SGDState):
             raise TypeError(
                 f"{where}: state: expected the SGDState made by sgd(...).init(masters), got "
@@ -165,11 +164,14 @@ def sgd(
                 "moment",
             )  # fmt: skip
         elif state.momentum_buffer is not None:
-            raise ValueError(f"{where}: state.momentum_buffer: expected None (momentum=0)")
+            raise ValueError(
+                f"{where}: state.momentum_buffer: expected None (momentum=0), got "
+                f"{type(state.momentum_buffer).__name__}"
+            )
         else:
             B = [None] * len(m_leaves)
         # Resolve every group's kernel before the first write: an error leaves all as it was.
-        plan = _optimizer.plan(h.impl, h.lr, m_leaves, g_leaves, has_fused=False)
+        plan = _optimizer.plan(where, h.impl, h.lr, masters, m_leaves, g_leaves, has_fused=False)
         for impl, lr, run in plan:
             _KERNELS[impl](
                 pick(m_leaves, run), pick(g_leaves, run), pick(B, run), pick(S, run), lr, h

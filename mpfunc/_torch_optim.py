@@ -57,8 +57,7 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         tensors = [m for m in leaves if m is not None]
         return TorchOptimizerState(cls(tensors, **kwargs))
 
-    def update_(masters: Any, grads: Any, state: Any) -> None:
-        where = "apply_update_"
+    def update_(masters: Any, grads: Any, state: Any, where: str) -> None:
         if not isinstance(state, TorchOptimizerState):
             raise TypeError(
                 f"{where}: state: expected the TorchOptimizerState made by "
@@ -70,7 +69,7 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         pairs = [(m, g) for m, g in zip(m_leaves, g_leaves) if m is not None]
         if len(owned) != len(pairs) or any(a is not b for a, (b, _) in zip(owned, pairs)):
             raise ValueError(
-                f"{where}: state: expected a {cls.__name__} built over these very master "
+                f"{where}: state: expected the {cls.__name__} built over these very master "
                 f"tensors ({len(pairs)} of them), got one over {len(owned)} other tensors. "
                 "torch.optim keeps its state by tensor identity: call opt.init(masters) again."
             )

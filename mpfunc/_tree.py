@@ -27,6 +27,7 @@ __all__ = [
     "check_tensor_or_none",
     "describe",
     "fail",
+    "first_difference",
     "flatten",
     "leaf_path",
     "unflatten",
@@ -69,7 +70,11 @@ def describe(x: Any) -> str:
         return f"{x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
     if x is None:
         return "None"
-    return f"{type(x).__name__} {x!r:.60}"
+    if isinstance(x, type):
+        return f"the class {x.__module__}.{x.__qualname__}"
+    if isinstance(x, (bool, int, float, str)):
+        return f"{type(x).__name__} {x!r:.60}"
+    return type(x).__name__
 
 
 def fail(
@@ -89,7 +94,7 @@ def check_tensor_or_none(fn: str, name: str, tree: Any, leaves: Sequence[Any]) -
             fail(TypeError, fn, leaf_path(tree, i, name), "a tensor or None leaf", describe(leaf))
 
 
-def _first_difference(a: Any, b: Any) -> str:
+def first_difference(a: Any, b: Any, name_a: str, name_b: str) -> str:
     """Explains where two trees first differ, by path."""
     pa = [format_path(p) for p in optree.tree_paths(a, none_is_leaf=_NONE_IS_LEAF)]
     pb = [format_path(p) for p in optree.tree_paths(b, none_is_leaf=_NONE_IS_LEAF)]
@@ -97,10 +102,10 @@ def _first_difference(a: Any, b: Any) -> str:
     set_a = set(pa)
     for p in pa:
         if p not in set_b:
-            return f"{p!r} is in the first tree but not in the second"
+            return f"{p!r} is in {name_a} but not in {name_b}"
     for p in pb:
         if p not in set_a:
-            return f"{p!r} is in the second tree but not in the first"
+            return f"{p!r} is in {name_b} but not in {name_a}"
     return "the leaf paths match but the container types differ"
 
 
@@ -115,7 +120,7 @@ def check_same_structure(
     """Raises ``ValueError`` if two trees differ in structure, naming the first differing path."""
     if spec_a == spec_b:
         return
-    where = _first_difference(a, b).replace("first tree", name_a).replace("second tree", name_b)
+    where = first_difference(a, b, name_a, name_b)
     raise ValueError(
         f"{fn}: {name_a} and {name_b} must have the same tree structure: {where}; "
         f"expected {_short(spec_a)}, got {_short(spec_b)}"

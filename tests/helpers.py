@@ -1,0 +1,87 @@
+"""Comparison helpers for the tests: bit equality and the stated error bound."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+# The bound for paths whose op order differs from torch.optim's (foreach/reference
+# Adam, any lr given as a tensor): |mpfunc - torch| <= RTOL * |torch| + ATOL_PER_LR * lr * N
+# elementwise after N steps. ATOL scales with the distance the optimizer can move.
+RTOL = 1e-6
+ATOL_PER_LR = 1e-6
+
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of a floating tensor, on the CPU."""
+    return t.detach().cpu().contiguous().view(_INT[t.element_size()])
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, *, nan_payload: bool = True) -> None:
+    """Bit-for-bit equality. With ``nan_payload=False``, any NaN matches any NaN (torch's CPU
+    casts canonicalize NaN payloads, XLA keeps them)."""
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    a, b = a.detach().cpu(), b.detach().cpu()
+    same = bits(a) == bits(b)
+    if not nan_payload:
+        same |= torch.isnan(a) & torch.isnan(b)
+    assert bool(same.all()), (
+        f"bits differ at {(~same).nonzero()[:5].tolist()}: {a[~same][:5]} vs {b[~same][:5]}"
+    )
+
+
+def leaves(tree: Any) -> list[Any]:
+    return optree.tree_leaves(tree, none_is_leaf=True)
+
+
+def assert_trees_bits_equal(a: Any, b: Any, *, nan_payload: bool = True) -> None:
+    sa, sb = (
+        optree.tree_structure(a, none_is_leaf=True),
+        optree.tree_structure(b, none_is_leaf=True),
+    )
+    assert sa == sb, (sa, sb)
+    for x, y in zip(leaves(a), leaves(b)):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor)
+            if x.is_floating_point():
+                assert_bits_equal(x, y, nan_payload=nan_payload)
+            else:
+                assert torch.equal(x.cpu(), y.cpu())
+        else:
+            assert x is None and y is None
+
+
+def assert_close_bound(actual: torch.Tensor, expected: torch.Tensor, lr: float, steps: int) -> None:
+    """The stated bound: elementwise |a - e| <= RTOL*|e| + ATOL_PER_LR*lr*steps."""
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    tol = RTOL * e.abs() + ATOL_PER_LR * lr * max(steps, 1)
+    err = (a - e).abs()
+    bad = ~(err <= tol)
+    assert not bool(bad.any()), (
+        f"bound exceeded at {bad.nonzero()[:3].tolist()}: got {a[bad][:3].tolist()}, "
+        f"expected {e[bad][:3].tolist()}, max err/tol {float((err / tol).max()):.3g}"
+    )
+
+
+def snapshot(tree: Any) -> list[Any]:
+    """Clones and version counters of every tensor in ``tree``."""
+    return [
+        (t.detach().cpu().clone(), t._version) if isinstance(t, torch.Tensor) else t
+        for t in leaves(tree)
+    ]
+
+
+def assert_unchanged(tree: Any, snap: list[Any]) -> None:
+    for t, s in zip(leaves(tree), snap):
+        if isinstance(t, torch.Tensor):
+            clone, version = s
+            assert t._version == version, "a tensor was written in place"
+            if t.is_floating_point():
+                assert_bits_equal(t, clone)
+            else:
+                assert torch.equal(t.cpu(), clone)
