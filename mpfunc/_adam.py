@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc import _grouping, _optimizer, _tree
-from mpfunc._optimizer import LR, Optimizer, pick
+from mpfunc._optimizer import LR, Optimizer, StepInput, pick
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -148,20 +148,17 @@ def _make(fn: str, h: _Hyper) -> Optimizer:
             max_exp_avg_sq=zeros(masters) if h.amsgrad else None,
         )
 
-    def update_(masters: Any, grads: Any, state: Any, where: str) -> None:
+    def update_(step: StepInput, state: Any, where: str) -> None:
         if not isinstance(state, AdamState):
             raise TypeError(
                 f"{where}: state: expected the AdamState made by {fn}(...).init(masters), got "
                 f"{type(state).__name__}"
             )
-        m_leaves, m_spec = _tree.flatten(masters)
-        g_leaves, _ = _tree.flatten(grads)
+        m_leaves, g_leaves = step.m_leaves, step.g_leaves
 
         def field(name: str) -> list[torch.Tensor | None]:
-            return _optimizer.state_field_leaves(
-                where, name, getattr(state, name), masters, m_leaves, m_spec,
-                "step" if name == "step" else "moment",
-            )  # fmt: skip
+            kind = "step" if name == "step" else "moment"
+            return _optimizer.state_field_leaves(where, name, getattr(state, name), step, kind)
 
         S, M, V = field("step"), field("exp_avg"), field("exp_avg_sq")
         if h.amsgrad:
@@ -174,7 +171,7 @@ def _make(fn: str, h: _Hyper) -> Optimizer:
         else:
             VM = [None] * len(m_leaves)
         # Resolve every group's kernel before the first write: an error leaves all as it was.
-        plan = _optimizer.plan(where, h.impl, h.lr, masters, m_leaves, g_leaves, has_fused=True)
+        plan = _optimizer.plan(where, h.impl, h.lr, step, has_fused=True)
         for impl, lr, run in plan:
             _KERNELS[impl](
                 pick(m_leaves, run), pick(g_leaves, run), pick(M, run), pick(V, run),

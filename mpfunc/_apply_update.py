@@ -8,12 +8,14 @@ import optree
 import torch
 
 from mpfunc import _dtypes, _tree
-from mpfunc._optimizer import Optimizer
+from mpfunc._optimizer import Optimizer, StepInput, signature
 
 __all__ = ["apply_update", "apply_update_"]
 
 
-def _check(fn: str, masters: Any, g32: Any, opt: object) -> None:
+def _check(fn: str, masters: Any, g32: Any, opt: object) -> StepInput:
+    """Checks masters against grads (structure, types, dtypes, shapes, devices) and
+    returns both flattened, for the optimizer to use without flattening again."""
     if not isinstance(opt, Optimizer):
         raise TypeError(
             f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/torch_optimizer), "
@@ -22,53 +24,59 @@ def _check(fn: str, masters: Any, g32: Any, opt: object) -> None:
     m_leaves, m_spec = _tree.flatten(masters)
     g_leaves, g_spec = _tree.flatten(g32)
     _tree.check_same_structure(fn, "masters", masters, m_spec, "grads", g32, g_spec)
+    m_sig = [signature(m) for m in m_leaves]
+    # The common case in one pass over signatures; the loop below only names the culprit.
+    ok = all(
+        (ms is None and g is None)
+        or (
+            ms is not None
+            and len(ms) == 3
+            and ms[1] in _dtypes.MASTER_DTYPES
+            and (g is None or signature(g) == ms)
+        )
+        for ms, g in zip(m_sig, g_leaves)
+    )
+    if not ok:
+        _explain(fn, masters, g32, m_leaves, g_leaves)
+    return StepInput(masters, m_leaves, m_spec, g_leaves, m_sig)
+
+
+def _explain(fn: str, masters: Any, g32: Any, m_leaves: list[Any], g_leaves: list[Any]) -> None:
+    """Raises the error for the first leaf at fault."""
     _tree.check_tensor_or_none(fn, "masters", masters, m_leaves)
     _tree.check_tensor_or_none(fn, "grads", g32, g_leaves)
+    path = _tree.leaf_path
     for i, (m, g) in enumerate(zip(m_leaves, g_leaves)):
         if m is None:
             if g is not None:
                 _tree.fail(
-                    ValueError, fn, _tree.leaf_path(g32, i, "grads"),
+                    ValueError, fn, path(g32, i, "grads"),
                     "None (this leaf has no master: init_master gives none to non-floating "
                     "params)", _tree.describe(g),
                 )  # fmt: skip
             continue
         if m.dtype not in _dtypes.MASTER_DTYPES:
             _tree.fail(
-                TypeError,
-                fn,
-                _tree.leaf_path(masters, i, "masters"),
-                "a float32 or float64 master",
+                TypeError, fn, path(masters, i, "masters"), "a float32 or float64 master",
                 _tree.describe(m),
-            )
+            )  # fmt: skip
         if g is None:
             continue
-        path = _tree.leaf_path
         if g.dtype != m.dtype:
             _tree.fail(
-                TypeError,
-                fn,
-                path(g32, i, "grads"),
-                f"{m.dtype} (the master's dtype)",
-                _tree.describe(g),
-                "Cast grads with grads_to_fp32 first.",
-            )
+                TypeError, fn, path(g32, i, "grads"), f"{m.dtype} (the master's dtype)",
+                _tree.describe(g), "Cast grads with grads_to_fp32 first.",
+            )  # fmt: skip
         if g.shape != m.shape:
             _tree.fail(
-                ValueError,
-                fn,
-                path(g32, i, "grads"),
-                f"shape {tuple(m.shape)} (the master's)",
+                ValueError, fn, path(g32, i, "grads"), f"shape {tuple(m.shape)} (the master's)",
                 f"shape {tuple(g.shape)}",
-            )
+            )  # fmt: skip
         if g.device != m.device:
             _tree.fail(
-                ValueError,
-                fn,
-                path(g32, i, "grads"),
-                f"device {m.device} (the master's)",
+                ValueError, fn, path(g32, i, "grads"), f"device {m.device} (the master's)",
                 f"device {g.device}",
-            )
+            )  # fmt: skip
 
 
 def _clone(tree: Any) -> Any:
@@ -98,15 +106,17 @@ def apply_update(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[An
         does not belong to these masters.
     """
     fn = "apply_update"
-    _check(fn, masters, g32, opt)
+    step = _check(fn, masters, g32, opt)
     if not opt.functional:
         raise TypeError(
             f"{fn}: opt: {opt.name} updates its tensors in place and cannot be copied; "
             "use apply_update_"
         )
     new_masters, new_state = _clone(masters), _clone(state)
+    m_leaves, _ = _tree.flatten(new_masters)
+    step = step._replace(masters=new_masters, m_leaves=m_leaves)
     with torch.no_grad():
-        opt.update_(new_masters, g32, new_state, fn)
+        opt.update_(step, new_state, fn)
     return new_masters, new_state
 
 
@@ -130,7 +140,7 @@ def apply_update_(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[A
       TypeError, ValueError: as ``apply_update``.
     """
     fn = "apply_update_"
-    _check(fn, masters, g32, opt)
+    step = _check(fn, masters, g32, opt)
     with torch.no_grad():
-        opt.update_(masters, g32, state, fn)
+        opt.update_(step, state, fn)
     return masters, state

@@ -20,6 +20,7 @@ from mpfunc import _grouping, _tree
 __all__ = [
     "LR",
     "Optimizer",
+    "StepInput",
     "check_choice",
     "check_lr",
     "check_nonneg",
@@ -31,19 +32,37 @@ __all__ = [
 LR = Union[float, torch.Tensor]
 
 
+class StepInput(NamedTuple):
+    """What ``apply_update`` hands an optimizer after checking masters against grads:
+    both trees flattened once, and each master's (shape, dtype, device) signature."""
+
+    masters: Any
+    m_leaves: list[torch.Tensor | None]
+    m_spec: PyTreeSpec
+    g_leaves: list[torch.Tensor | None]
+    signature: list[tuple[Any, ...] | None]
+
+
+def signature(t: object) -> tuple[Any, ...] | None:
+    """(shape, dtype, device) of a tensor, for bulk comparison; ``None`` for ``None``."""
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.dtype, t.device)
+    return None if t is None else (type(t),)
+
+
 class Optimizer(NamedTuple):
     """An optimizer over master trees: ``init(masters) -> state`` and an in-place step.
 
-    ``update_(masters, grads, state, fn)`` validates ``state`` against ``masters``
-    before writing anything (errors name ``fn``, the caller), then updates both in
-    place; leaves whose grad is
+    ``update_(step_input, state, fn)`` validates ``state`` against the masters
+    before writing anything (errors name ``fn``, the caller), then updates masters
+    and state in place; leaves whose grad is
     ``None`` are skipped, as torch.optim skips parameters without ``.grad``.
     Build one with ``mpfunc.sgd``, ``mpfunc.adam``, ``mpfunc.adamw`` or
     ``mpfunc.torch_optimizer``; call it through ``apply_update``/``apply_update_``.
     """
 
     init: Callable[[Any], Any]
-    update_: Callable[[Any, Any, Any, str], None]
+    update_: Callable[[StepInput, Any, str], None]
     # False when the state is not a tree of tensors (torch.optim interop): such an
     # optimizer cannot be copied, so only apply_update_ accepts it.
     functional: bool = True
@@ -101,13 +120,7 @@ def lr_on(lr: LR, device: torch.device, cache: dict[torch.device, LR]) -> LR:
 
 
 def state_field_leaves(
-    fn: str,
-    field: str,
-    tree: Any,
-    masters: Any,
-    m_leaves: Sequence[torch.Tensor | None],
-    m_spec: PyTreeSpec,
-    kind: str,
+    fn: str, field: str, tree: Any, step: StepInput, kind: str
 ) -> list[torch.Tensor | None]:
     """Flattens one state field and checks it against the masters.
 
@@ -119,6 +132,7 @@ def state_field_leaves(
     def path(i: int) -> str:
         return _tree.leaf_path(tree, i, f"state.{field}")
 
+    masters, m_leaves, m_spec = step.masters, step.m_leaves, step.m_spec
     leaves, spec = _tree.flatten(tree)
     if spec != m_spec:
         where = _tree.first_difference(masters, tree, "masters", f"state.{field}")
@@ -126,6 +140,15 @@ def state_field_leaves(
             f"{fn}: state.{field} must have the masters' tree structure: {where}; expected "
             f"{m_spec}, got {spec}. Was this state made by opt.init() for these masters?"
         )
+    # The common case in one comparison of signature lists; the loop below only
+    # runs to name the culprit.
+    if kind == "moment":
+        if [signature(s) for s in leaves] == step.signature:
+            return leaves
+    elif [signature(s) for s in leaves] == [
+        None if sig is None else (_SCALAR, torch.float32, sig[2]) for sig in step.signature
+    ]:
+        return leaves
     for i, (s, m) in enumerate(zip(leaves, m_leaves)):
         if m is None:
             if s is not None:
@@ -154,6 +177,9 @@ def state_field_leaves(
         if s.device != m.device:
             _tree.fail(ValueError, fn, path(i), f"device {m.device}", f"device {s.device}")
     return leaves
+
+
+_SCALAR = torch.Size([])
 
 
 def zeros_like_masters(masters: Any) -> Any:
@@ -192,19 +218,14 @@ def groups_with_grads(
 
 
 def plan(
-    fn: str,
-    impl: str,
-    lr: LR,
-    masters: Any,
-    m_leaves: Sequence[torch.Tensor | None],
-    g_leaves: Sequence[torch.Tensor | None],
-    has_fused: bool,
+    fn: str, impl: str, lr: LR, step: StepInput, has_fused: bool
 ) -> list[tuple[str, LR, list[int]]]:
     """The step's work list: (implementation, lr on that device, positions) per kernel call.
 
     Leaves with a master and a grad are grouped by the master's (device, dtype);
     foreach groups on eager devices are split into bounded runs.
     """
+    masters, m_leaves, g_leaves = step.masters, step.m_leaves, step.g_leaves
     lrs: dict[torch.device, LR] = {}
     work: list[tuple[str, LR, list[int]]] = []
     for (device, dtype), idx in groups_with_grads(m_leaves, g_leaves).items():

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc import _grouping, _optimizer, _tree
-from mpfunc._optimizer import LR, Optimizer, pick
+from mpfunc._optimizer import LR, Optimizer, StepInput, pick
 
 __all__ = ["SGDState", "sgd"]
 
@@ -147,22 +147,18 @@ def sgd(
             momentum_buffer=_optimizer.zeros_like_masters(masters) if h.momentum else None,
         )
 
-    def update_(masters: Any, grads: Any, state: Any, where: str) -> None:
+    def update_(step: StepInput, state: Any, where: str) -> None:
         if not isinstance(state, SGDState):
             raise TypeError(
                 f"{where}: state: expected the SGDState made by sgd(...).init(masters), got "
                 f"{type(state).__name__}"
             )
-        m_leaves, m_spec = _tree.flatten(masters)
-        g_leaves, _ = _tree.flatten(grads)
-        S = _optimizer.state_field_leaves(
-            where, "step", state.step, masters, m_leaves, m_spec, "step"
-        )
+        m_leaves, g_leaves = step.m_leaves, step.g_leaves
+        S = _optimizer.state_field_leaves(where, "step", state.step, step, "step")
         if h.momentum:
             B = _optimizer.state_field_leaves(
-                where, "momentum_buffer", state.momentum_buffer, masters, m_leaves, m_spec,
-                "moment",
-            )  # fmt: skip
+                where, "momentum_buffer", state.momentum_buffer, step, "moment"
+            )
         elif state.momentum_buffer is not None:
             raise ValueError(
                 f"{where}: state.momentum_buffer: expected None (momentum=0), got "
@@ -171,7 +167,7 @@ def sgd(
         else:
             B = [None] * len(m_leaves)
         # Resolve every group's kernel before the first write: an error leaves all as it was.
-        plan = _optimizer.plan(where, h.impl, h.lr, masters, m_leaves, g_leaves, has_fused=False)
+        plan = _optimizer.plan(where, h.impl, h.lr, step, has_fused=False)
         for impl, lr, run in plan:
             _KERNELS[impl](
                 pick(m_leaves, run), pick(g_leaves, run), pick(B, run), pick(S, run), lr, h

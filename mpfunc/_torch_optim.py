@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc import _tree
-from mpfunc._optimizer import Optimizer
+from mpfunc._optimizer import Optimizer, StepInput
 
 __all__ = ["TorchOptimizerState", "torch_optimizer"]
 
@@ -57,14 +57,13 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         tensors = [m for m in leaves if m is not None]
         return TorchOptimizerState(cls(tensors, **kwargs))
 
-    def update_(masters: Any, grads: Any, state: Any, where: str) -> None:
+    def update_(step: StepInput, state: Any, where: str) -> None:
         if not isinstance(state, TorchOptimizerState):
             raise TypeError(
                 f"{where}: state: expected the TorchOptimizerState made by "
                 f"torch_optimizer({cls.__name__}, ...).init(masters), got {type(state).__name__}"
             )
-        m_leaves, _ = _tree.flatten(masters)
-        g_leaves, _ = _tree.flatten(grads)
+        m_leaves, g_leaves = step.m_leaves, step.g_leaves
         owned = [p for group in state.optimizer.param_groups for p in group["params"]]
         pairs = [(m, g) for m, g in zip(m_leaves, g_leaves) if m is not None]
         if len(owned) != len(pairs) or any(a is not b for a, (b, _) in zip(owned, pairs)):
