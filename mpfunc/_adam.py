@@ -13,12 +13,13 @@ from the step tensors on the device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from mpfunc import _grouping, _optimizer, _tree
-from mpfunc._optimizer import LR, Optimizer, StepInput, pick
+from mpfunc._optimizer import LR, LRArg, Optimizer, StepInput, pick
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -38,7 +39,7 @@ class AdamState(NamedTuple):
 
 
 class _Hyper(NamedTuple):
-    lr: LR
+    lr: LRArg
     beta1: float
     beta2: float
     eps: float
@@ -122,18 +123,26 @@ def _foreach(P, G, M, V, VM, S, lr: LR, h: _Hyper) -> None:  # type: ignore[no-u
     torch._foreach_addcdiv_(P, M, denom)
 
 
-def _fused(P, G, M, V, VM, S, lr: LR, h: _Hyper) -> None:  # type: ignore[no-untyped-def]
-    """torch's fused kernel; steps are incremented first, as torch.optim does."""
+def _fused(P, G, M, V, VM, S, lr: LR, h: _Hyper, skip=None) -> None:  # type: ignore[no-untyped-def]
+    """torch's fused kernel; steps are incremented first, as torch.optim does.
+
+    With ``skip``, the kernel's own ``found_inf`` flag leaves params and moments
+    untouched on the device, and the step increment is taken back (x + 1 - 1 == x
+    exactly for step counts below 2**24).
+    """
+    found_inf = None if skip is None else skip.to(torch.float32)
     torch._foreach_add_(S, 1)
     kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     kernel(
         P, G, M, V, VM if h.amsgrad else [], S,
         lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
-        amsgrad=h.amsgrad, maximize=h.maximize, grad_scale=None, found_inf=None,
+        amsgrad=h.amsgrad, maximize=h.maximize, grad_scale=None, found_inf=found_inf,
     )  # fmt: skip
+    if found_inf is not None:
+        torch._foreach_sub_(S, [found_inf] * len(S))
 
 
-_KERNELS = {"reference": _reference, "foreach": _foreach, "fused": _fused}
+_KERNELS = {"reference": _reference, "foreach": _foreach}
 
 
 def _make(fn: str, h: _Hyper) -> Optimizer:
@@ -148,7 +157,7 @@ def _make(fn: str, h: _Hyper) -> Optimizer:
             max_exp_avg_sq=zeros(masters) if h.amsgrad else None,
         )
 
-    def update_(step: StepInput, state: Any, where: str) -> None:
+    def prepare(step: StepInput, state: Any, where: str) -> Callable[[], None]:
         if not isinstance(state, AdamState):
             raise TypeError(
                 f"{where}: state: expected the AdamState made by {fn}(...).init(masters), got "
@@ -170,15 +179,22 @@ def _make(fn: str, h: _Hyper) -> Optimizer:
             )
         else:
             VM = [None] * len(m_leaves)
-        # Resolve every group's kernel before the first write: an error leaves all as it was.
-        plan = _optimizer.plan(where, h.impl, h.lr, step, has_fused=True)
-        for impl, lr, run in plan:
-            _KERNELS[impl](
-                pick(m_leaves, run), pick(g_leaves, run), pick(M, run), pick(V, run),
-                pick(VM, run), pick(S, run), lr, h,
-            )  # fmt: skip
+        # Every group's kernel, lr and skip are resolved before the first write.
+        work = _optimizer.plan(where, h.impl, h.lr, step, S, has_fused=True)
 
-    return Optimizer(init=init, update_=update_, functional=True, name=fn)
+        def commit() -> None:
+            for w in work:
+                P, G, Mw, Vw, VMw, Sw = (pick(x, w.idx) for x in (m_leaves, g_leaves, M, V, VM, S))
+                if w.impl == "fused":
+                    _fused(P, G, Mw, Vw, VMw, Sw, w.lr, h, w.skip)
+                    continue
+                kernel = _KERNELS[w.impl]
+                written = P + Mw + Vw + Sw + (VMw if h.amsgrad else [])
+                _optimizer.guarded(w.skip, written, kernel, P, G, Mw, Vw, VMw, Sw, w.lr, h)
+
+        return commit
+
+    return Optimizer(init=init, prepare=prepare, functional=True, name=fn)
 
 
 def _hyper(
@@ -208,7 +224,7 @@ def _hyper(
 
 
 def adam(
-    lr: float | torch.Tensor = 1e-3,
+    lr: LRArg = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -220,8 +236,9 @@ def adam(
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
     Args:
-      lr: a float, or a 0-d tensor read at every step (change it in place for a
-        schedule; on XLA that never recompiles).
+      lr: a float; a 0-d tensor read at every step (change it in place); or a
+        schedule, a function of the 0-d float32 step count (steps already taken)
+        returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
       betas, eps, weight_decay, amsgrad, maximize: as in ``torch.optim.Adam``.
       impl: ``"auto"`` (fused kernels on CPU/CUDA, foreach elsewhere), ``"fused"``,
         ``"foreach"`` or ``"reference"`` (a per-tensor loop).
@@ -238,7 +255,7 @@ def adam(
 
 
 def adamw(
-    lr: float | torch.Tensor = 1e-3,
+    lr: LRArg = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 
 from mpfunc import _dtypes, _tree
@@ -13,7 +12,18 @@ from mpfunc._optimizer import Optimizer, StepInput, signature
 __all__ = ["apply_update", "apply_update_"]
 
 
-def _check(fn: str, masters: Any, g32: Any, opt: object) -> StepInput:
+def _check_skip(fn: str, skip: object) -> torch.Tensor | None:
+    if skip is None:
+        return None
+    if not isinstance(skip, torch.Tensor) or skip.ndim != 0 or skip.dtype != torch.bool:
+        raise TypeError(
+            f"{fn}: skip: expected None or a 0-d bool tensor (e.g. ~mpfunc.all_finite(g32)), "
+            f"got {_tree.describe(skip)}"
+        )
+    return skip
+
+
+def _check(fn: str, masters: Any, g32: Any, opt: object, skip: object) -> StepInput:
     """Checks masters against grads (structure, types, dtypes, shapes, devices) and
     returns both flattened, for the optimizer to use without flattening again."""
     if not isinstance(opt, Optimizer):
@@ -38,7 +48,7 @@ def _check(fn: str, masters: Any, g32: Any, opt: object) -> StepInput:
     )
     if not ok:
         _explain(fn, masters, g32, m_leaves, g_leaves)
-    return StepInput(masters, m_leaves, m_spec, g_leaves, m_sig)
+    return StepInput(masters, m_leaves, m_spec, g_leaves, m_sig, _check_skip(fn, skip))
 
 
 def _explain(fn: str, masters: Any, g32: Any, m_leaves: list[Any], g_leaves: list[Any]) -> None:
@@ -80,12 +90,12 @@ def _explain(fn: str, masters: Any, g32: Any, m_leaves: list[Any], g_leaves: lis
 
 
 def _clone(tree: Any) -> Any:
-    return optree.tree_map(
-        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree, none_is_leaf=True
-    )
+    return _tree.map_tensors(torch.Tensor.clone, tree)
 
 
-def apply_update(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[Any, Any]:
+def apply_update(
+    masters: Any, g32: Any, state: Any, opt: Optimizer, skip: torch.Tensor | None = None
+) -> tuple[Any, Any]:
     """One optimizer step, returning new masters and state; the inputs are not modified.
 
     Leaves whose grad is ``None`` keep their values (torch.optim skips them too).
@@ -95,32 +105,40 @@ def apply_update(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[An
       g32: grads of the masters' structure and dtypes (from ``grads_to_fp32``), or ``None``.
       state: the optimizer state, from ``opt.init(masters)`` or a previous step.
       opt: an ``Optimizer`` such as ``mpfunc.adamw(...)``.
+      skip: ``None``, or a 0-d bool tensor; where it is true (decided on the device,
+        never read by the host) masters, state and step counts come out bit-identical.
+        Pass ``~mpfunc.all_finite(g32)`` so non-finite grads never reach the masters.
 
     Returns:
       ``(new_masters, new_state)``, fresh tensors sharing nothing with the inputs.
 
     Raises:
       TypeError: ``opt`` is not an Optimizer or is in-place only (``torch_optimizer``), a
-        leaf is not a tensor or ``None``, or a grad's dtype is not its master's.
+        leaf is not a tensor or ``None``, a grad's dtype is not its master's, or ``skip``
+        is not a 0-d bool tensor.
       ValueError: the trees differ in structure, a shape or device differs, or ``state``
         does not belong to these masters.
     """
     fn = "apply_update"
-    step = _check(fn, masters, g32, opt)
+    step = _check(fn, masters, g32, opt, skip)
     if not opt.functional:
         raise TypeError(
             f"{fn}: opt: {opt.name} updates its tensors in place and cannot be copied; "
             "use apply_update_"
         )
+    # Check the state before copying anything; then run on the copies.
+    opt.prepare(step, state, fn)
     new_masters, new_state = _clone(masters), _clone(state)
     m_leaves, _ = _tree.flatten(new_masters)
     step = step._replace(masters=new_masters, m_leaves=m_leaves)
     with torch.no_grad():
-        opt.update_(step, new_state, fn)
+        opt.prepare(step, new_state, fn)()
     return new_masters, new_state
 
 
-def apply_update_(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[Any, Any]:
+def apply_update_(
+    masters: Any, g32: Any, state: Any, opt: Optimizer, skip: torch.Tensor | None = None
+) -> tuple[Any, Any]:
     """One optimizer step, in place: masters and state tensors are overwritten.
 
     Every check runs before the first write, so a bad input leaves everything as it
@@ -132,6 +150,7 @@ def apply_update_(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[A
       g32: grads of the masters' structure and dtypes, or ``None`` to skip a leaf.
       state: the optimizer state, updated in place.
       opt: an ``Optimizer``.
+      skip: as in ``apply_update``.
 
     Returns:
       ``(masters, state)``, the same objects, for symmetry with ``apply_update``.
@@ -140,7 +159,8 @@ def apply_update_(masters: Any, g32: Any, state: Any, opt: Optimizer) -> tuple[A
       TypeError, ValueError: as ``apply_update``.
     """
     fn = "apply_update_"
-    step = _check(fn, masters, g32, opt)
+    step = _check(fn, masters, g32, opt, skip)
     with torch.no_grad():
-        opt.update_(step, state, fn)
+        commit = opt.prepare(step, state, fn)  # every check passes before any write
+        commit()
     return masters, state

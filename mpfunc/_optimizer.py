@@ -1,9 +1,11 @@
 """What an mpfunc optimizer is, and the checks every optimizer shares.
 
 An optimizer is a pair of functions, in the spirit of optax: ``init`` builds a
-state tree from the masters, and ``update_`` steps masters and state in place.
-``apply_update`` (pure) and ``apply_update_`` (in place) are the entry points
-users call; they check masters against grads before the optimizer runs.
+state tree from the masters, and ``prepare`` checks a state against a step's
+inputs and returns the function that writes the step in place. Checking and
+writing are split so that nothing is written until every check (of every
+sub-optimizer of a ``partition``) has passed. ``apply_update`` (pure) and
+``apply_update_`` (in place) are the entry points users call.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ __all__ = [
     "check_lr",
     "check_nonneg",
     "check_unit_interval",
-    "lr_on",
+    "guarded",
+    "lr_for",
     "state_field_leaves",
 ]
 
 LR = Union[float, torch.Tensor]
+# What a user may pass as lr: a float, a 0-d tensor, or a schedule of the step count.
+LRArg = Union[float, torch.Tensor, Callable[[torch.Tensor], Union[float, torch.Tensor]]]
 
 
 class StepInput(NamedTuple):
@@ -41,6 +46,7 @@ class StepInput(NamedTuple):
     m_spec: PyTreeSpec
     g_leaves: list[torch.Tensor | None]
     signature: list[tuple[Any, ...] | None]
+    skip: torch.Tensor | None = None  # 0-d bool: when true, the step changes nothing
 
 
 def signature(t: object) -> tuple[Any, ...] | None:
@@ -53,27 +59,30 @@ def signature(t: object) -> tuple[Any, ...] | None:
 class Optimizer(NamedTuple):
     """An optimizer over master trees: ``init(masters) -> state`` and an in-place step.
 
-    ``update_(step_input, state, fn)`` validates ``state`` against the masters
-    before writing anything (errors name ``fn``, the caller), then updates masters
-    and state in place; leaves whose grad is
-    ``None`` are skipped, as torch.optim skips parameters without ``.grad``.
-    Build one with ``mpfunc.sgd``, ``mpfunc.adam``, ``mpfunc.adamw`` or
+    ``prepare(step_input, state, fn)`` checks ``state`` against the step's masters
+    (errors name ``fn``, the caller) and returns a function of no arguments that
+    then updates masters and state in place. Leaves whose grad is ``None`` are
+    skipped, as torch.optim skips parameters without ``.grad``. Build one with
+    ``mpfunc.sgd``, ``mpfunc.adam``, ``mpfunc.adamw``, ``mpfunc.partition`` or
     ``mpfunc.torch_optimizer``; call it through ``apply_update``/``apply_update_``.
     """
 
     init: Callable[[Any], Any]
-    update_: Callable[[StepInput, Any, str], None]
+    prepare: Callable[[StepInput, Any, str], Callable[[], None]]
     # False when the state is not a tree of tensors (torch.optim interop): such an
     # optimizer cannot be copied, so only apply_update_ accepts it.
     functional: bool = True
     name: str = "optimizer"
 
 
-def check_lr(fn: str, lr: object) -> LR:
-    """A learning rate is a float >= 0 or a 0-d floating tensor (read at every step).
+def check_lr(fn: str, lr: object) -> LRArg:
+    """A learning rate is a float >= 0, a 0-d floating tensor (read at every step), or
+    a schedule: a function of the 0-d step count returning either.
 
     A tensor's value is not checked: reading it would wait on the device.
     """
+    if callable(lr) and not isinstance(lr, torch.Tensor):
+        return lr
     if isinstance(lr, torch.Tensor):
         if lr.ndim != 0 or not lr.is_floating_point():
             raise TypeError(
@@ -110,13 +119,51 @@ def check_choice(fn: str, name: str, value: object, choices: Sequence[str]) -> s
     return str(value)
 
 
-def lr_on(lr: LR, device: torch.device, cache: dict[torch.device, LR]) -> LR:
-    """``lr`` for one device group: a float as is, a tensor moved (once per step) to the device."""
-    if not isinstance(lr, torch.Tensor):
-        return lr
-    if device not in cache:
-        cache[device] = lr.to(device=device, dtype=torch.float32, non_blocking=True)
-    return cache[device]
+def lr_for(lr: LRArg, device: torch.device, count: torch.Tensor | None, cache: dict[Any, LR]) -> LR:
+    """``lr`` for one device group: a float as is; a tensor moved (once per step) to the
+    device; a schedule called with the group's step count (steps already taken)."""
+    if isinstance(lr, torch.Tensor):
+        if device not in cache:
+            cache[device] = lr.to(device=device, dtype=torch.float32, non_blocking=True)
+        return cache[device]
+    if callable(lr):
+        assert count is not None
+        # A copy, so that a schedule returning the count itself is not moved by the
+        # step's increment.
+        value = lr(count.detach().clone())
+        if isinstance(value, torch.Tensor):
+            return value.to(device=device, dtype=torch.float32)
+        return float(value)
+    return lr
+
+
+def skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
+    """``skip`` on one device (moved once per step), or ``None``."""
+    if skip is None:
+        return None
+    key = ("skip", device)
+    if key not in cache:
+        cache[key] = skip.to(device=device, non_blocking=True)
+    return cache[key]
+
+
+def guarded(
+    skip: torch.Tensor | None,
+    written: Sequence[torch.Tensor],
+    kernel: Callable[..., None],
+    *args: Any,
+) -> None:
+    """Runs ``kernel(*args)`` (which writes ``written`` in place) so that when ``skip`` is true on
+    the device, every written tensor keeps its exact old bits. No host read: the old
+    values are kept and chosen back with ``torch.where``. The copies are bounded by the
+    foreach chunk size on eager devices; on XLA the select is part of the graph."""
+    if skip is None:
+        kernel(*args)
+        return
+    old = [t.clone() for t in written]
+    kernel(*args)
+    for t, o in zip(written, old):
+        t.copy_(torch.where(skip, o, t))
 
 
 def state_field_leaves(
@@ -217,17 +264,32 @@ def groups_with_grads(
     return _grouping.group_indices(keys)
 
 
+class Work(NamedTuple):
+    """One kernel call of a step: implementation, lr and skip on its device, positions."""
+
+    impl: str
+    lr: LR
+    skip: torch.Tensor | None
+    idx: list[int]
+
+
 def plan(
-    fn: str, impl: str, lr: LR, step: StepInput, has_fused: bool
-) -> list[tuple[str, LR, list[int]]]:
-    """The step's work list: (implementation, lr on that device, positions) per kernel call.
+    fn: str,
+    impl: str,
+    lr: LRArg,
+    step: StepInput,
+    steps: Sequence[torch.Tensor | None],
+    has_fused: bool,
+) -> list[Work]:
+    """The step's work list: one entry per kernel call.
 
     Leaves with a master and a grad are grouped by the master's (device, dtype);
-    foreach groups on eager devices are split into bounded runs.
+    foreach groups on eager devices are split into bounded runs. A schedule is
+    evaluated once per group, from the step count of the group's first leaf.
     """
     masters, m_leaves, g_leaves = step.masters, step.m_leaves, step.g_leaves
-    lrs: dict[torch.device, LR] = {}
-    work: list[tuple[str, LR, list[int]]] = []
+    cache: dict[Any, Any] = {}
+    work: list[Work] = []
     for (device, dtype), idx in groups_with_grads(m_leaves, g_leaves).items():
         assert isinstance(device, torch.device) and isinstance(dtype, torch.dtype)
         try:
@@ -236,9 +298,10 @@ def plan(
             raise ValueError(
                 f"{fn}: at {_tree.leaf_path(masters, idx[0], 'masters')!r}: {e}"
             ) from None
-        lr_d = lr_on(lr, device, lrs)
+        lr_d = lr_for(lr, device, steps[idx[0]], cache)
+        skip_d = skip_on(step.skip, device, cache)
         runs = _grouping.chunks(idx, m_leaves, device) if chosen == "foreach" else [idx]
-        work.extend((chosen, lr_d, run) for run in runs)
+        work.extend(Work(chosen, lr_d, skip_d, run) for run in runs)
     return work
 
 

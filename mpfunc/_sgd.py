@@ -14,12 +14,13 @@ otherwise the gradient's coefficient is ``1 - dampening * min(step, 1)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from mpfunc import _grouping, _optimizer, _tree
-from mpfunc._optimizer import LR, Optimizer, StepInput, pick
+from mpfunc._optimizer import LR, LRArg, Optimizer, StepInput, pick
 
 __all__ = ["SGDState", "sgd"]
 
@@ -36,7 +37,7 @@ class SGDState(NamedTuple):
 
 
 class _Hyper(NamedTuple):
-    lr: LR
+    lr: LRArg
     momentum: float
     dampening: float
     weight_decay: float
@@ -98,7 +99,7 @@ _KERNELS = {"reference": _reference, "foreach": _foreach}
 
 
 def sgd(
-    lr: float | torch.Tensor = 1e-3,
+    lr: LRArg = 1e-3,
     momentum: float = 0.0,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
@@ -110,8 +111,9 @@ def sgd(
     """SGD with optional momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
 
     Args:
-      lr: a float, or a 0-d tensor read at every step (change it in place for a
-        schedule; on XLA that never recompiles).
+      lr: a float; a 0-d tensor read at every step (change it in place); or a
+        schedule, a function of the 0-d float32 step count (steps already taken)
+        returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
       momentum, dampening, weight_decay, nesterov, maximize: as in ``torch.optim.SGD``.
       impl: ``"auto"``/``"foreach"`` (multi-tensor ops) or ``"reference"`` (per-tensor loop).
         torch's fused SGD needs a host flag for the first step, so it is not used.
@@ -147,7 +149,7 @@ def sgd(
             momentum_buffer=_optimizer.zeros_like_masters(masters) if h.momentum else None,
         )
 
-    def update_(step: StepInput, state: Any, where: str) -> None:
+    def prepare(step: StepInput, state: Any, where: str) -> Callable[[], None]:
         if not isinstance(state, SGDState):
             raise TypeError(
                 f"{where}: state: expected the SGDState made by sgd(...).init(masters), got "
@@ -166,11 +168,16 @@ def sgd(
             )
         else:
             B = [None] * len(m_leaves)
-        # Resolve every group's kernel before the first write: an error leaves all as it was.
-        plan = _optimizer.plan(where, h.impl, h.lr, step, has_fused=False)
-        for impl, lr, run in plan:
-            _KERNELS[impl](
-                pick(m_leaves, run), pick(g_leaves, run), pick(B, run), pick(S, run), lr, h
-            )
+        # Every group's kernel, lr and skip are resolved before the first write.
+        work = _optimizer.plan(where, h.impl, h.lr, step, S, has_fused=False)
 
-    return Optimizer(init=init, update_=update_, functional=True, name=fn)
+        def commit() -> None:
+            for w in work:
+                P, G, Bw, Sw = (pick(x, w.idx) for x in (m_leaves, g_leaves, B, S))
+                kernel = _KERNELS[w.impl]
+                written = P + Sw + (Bw if h.momentum else [])
+                _optimizer.guarded(w.skip, written, kernel, P, G, Bw, Sw, w.lr, h)
+
+        return commit
+
+    return Optimizer(init=init, prepare=prepare, functional=True, name=fn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -57,7 +58,7 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         tensors = [m for m in leaves if m is not None]
         return TorchOptimizerState(cls(tensors, **kwargs))
 
-    def update_(step: StepInput, state: Any, where: str) -> None:
+    def prepare(step: StepInput, state: Any, where: str) -> Callable[[], None]:
         if not isinstance(state, TorchOptimizerState):
             raise TypeError(
                 f"{where}: state: expected the TorchOptimizerState made by "
@@ -72,12 +73,21 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
                 f"tensors ({len(pairs)} of them), got one over {len(owned)} other tensors. "
                 "torch.optim keeps its state by tensor identity: call opt.init(masters) again."
             )
-        try:
-            for m, g in pairs:
-                m.grad = g
-            state.optimizer.step()
-        finally:
-            for m, _ in pairs:
-                m.grad = None
+        if step.skip is not None:
+            raise TypeError(
+                f"{where}: skip: torch.optim optimizers step unconditionally; a device-side "
+                "skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw)"
+            )
 
-    return Optimizer(init=init, update_=update_, functional=False, name=f"torch.{cls.__name__}")
+        def commit() -> None:
+            try:
+                for m, g in pairs:
+                    m.grad = g
+                state.optimizer.step()
+            finally:
+                for m, _ in pairs:
+                    m.grad = None
+
+        return commit
+
+    return Optimizer(init=init, prepare=prepare, functional=False, name=f"torch.{cls.__name__}")

@@ -2,12 +2,14 @@
 
 The rules, fixed in one place:
 
-* A tree is anything optree flattens in its default namespace: dicts (keys
+* A tree is anything optree flattens: dicts (keys
   sorted), lists, tuples, NamedTuples, and nested mixes of those.
 * ``None`` is a leaf (``none_is_leaf=True``). It marks "no tensor here" and keeps
   its slot, so a grad tree with ``None`` for an unused parameter still lines up
   leaf for leaf with the parameter tree.
 * Every other leaf must be a ``torch.Tensor``.
+* mpfunc's own state classes (loss scales) are nodes, registered in optree's
+  ``"mpfunc"`` namespace; flatten with ``namespace="mpfunc"`` to see into them.
 * A leaf's path is its keys joined with dots, ``"layers.0.weight"``, the form
   that ``model.named_parameters()`` uses. Paths are built only for error
   messages, so the hot path never pays for them.
@@ -30,15 +32,29 @@ __all__ = [
     "first_difference",
     "flatten",
     "leaf_path",
+    "map_tensors",
     "unflatten",
 ]
 
 _NONE_IS_LEAF = True
+# mpfunc's own node types (loss-scale states) are registered in this namespace;
+# every flatten in mpfunc looks there too, so they are nodes, not opaque leaves.
+NAMESPACE = "mpfunc"
+
+
+def map_tensors(fn: Any, tree: Any) -> Any:
+    """Applies ``fn`` to every tensor leaf; other leaves (``None``) are kept."""
+    return optree.tree_map(
+        lambda t: fn(t) if isinstance(t, torch.Tensor) else t,
+        tree,
+        none_is_leaf=_NONE_IS_LEAF,
+        namespace=NAMESPACE,
+    )
 
 
 def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     """Flattens ``tree`` into its leaves (``None`` included) and its spec."""
-    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
@@ -50,6 +66,10 @@ def _format_key(key: Any) -> str:
     return str(key)
 
 
+def _paths(tree: Any) -> list[tuple[Any, ...]]:
+    return optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
+
+
 def format_path(path: Sequence[Any]) -> str:
     """``("layers", 0, "weight")`` -> ``"layers.0.weight"``; the root is ``"<root>"``."""
     return ".".join(_format_key(k) for k in path) if path else "<root>"
@@ -57,7 +77,7 @@ def format_path(path: Sequence[Any]) -> str:
 
 def leaf_path(tree: Any, index: int, prefix: str = "") -> str:
     """The dotted path of the ``index``-th leaf of ``tree``, for error messages."""
-    paths = optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF)
+    paths = _paths(tree)
     path = format_path(paths[index])
     if prefix:
         return prefix if path == "<root>" else f"{prefix}.{path}"
@@ -96,8 +116,8 @@ def check_tensor_or_none(fn: str, name: str, tree: Any, leaves: Sequence[Any]) -
 
 def first_difference(a: Any, b: Any, name_a: str, name_b: str) -> str:
     """Explains where two trees first differ, by path."""
-    pa = [format_path(p) for p in optree.tree_paths(a, none_is_leaf=_NONE_IS_LEAF)]
-    pb = [format_path(p) for p in optree.tree_paths(b, none_is_leaf=_NONE_IS_LEAF)]
+    pa = [format_path(p) for p in _paths(a)]
+    pb = [format_path(p) for p in _paths(b)]
     set_b = set(pb)
     set_a = set(pa)
     for p in pa:
