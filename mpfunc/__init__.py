@@ -7,15 +7,24 @@ Four transforms over parameter trees, each pure with an in-place twin::
     masters, state = mpfunc.apply_update(masters, g32, state, opt)
     params = mpfunc.masters_to_model(masters, params)           # round back
 
-Import only from ``mpfunc``; the ``_``-prefixed modules are private.
+and the pieces a training loop needs around them: sync-free loss scaling and
+step skipping, global-norm clipping, fp32 accumulation, a precision policy and
+per-leaf hyperparameters. Import only from ``mpfunc``; the ``_``-prefixed
+modules are private.
 """
 
+from mpfunc._accumulate import accumulate_grads, accumulate_grads_, init_grads
 from mpfunc._adam import AdamState, adam, adamw
 from mpfunc._apply_update import apply_update, apply_update_
+from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
+from mpfunc._finite import all_finite
 from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
 from mpfunc._init_master import init_master
+from mpfunc._loss_scale import DynamicLossScale, StaticLossScale
 from mpfunc._masters_to_model import masters_to_model, masters_to_model_
-from mpfunc._optimizer import Optimizer
+from mpfunc._optimizer import Optimizer, StepInput
+from mpfunc._partition import partition
+from mpfunc._policy import Policy
 from mpfunc._sgd import SGDState, sgd
 from mpfunc._torch_optim import TorchOptimizerState, torch_optimizer
 
@@ -23,18 +32,29 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdamState",
+    "DynamicLossScale",
     "Optimizer",
+    "Policy",
     "SGDState",
+    "StaticLossScale",
+    "StepInput",
     "TorchOptimizerState",
+    "accumulate_grads",
+    "accumulate_grads_",
     "adam",
     "adamw",
+    "all_finite",
     "apply_update",
     "apply_update_",
+    "clip_by_global_norm",
+    "clip_by_global_norm_",
     "grads_to_fp32",
     "grads_to_fp32_",
+    "init_grads",
     "init_master",
     "masters_to_model",
     "masters_to_model_",
+    "partition",
     "sgd",
     "torch_optimizer",
 ]

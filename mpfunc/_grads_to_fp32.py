@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from mpfunc import _dtypes, _grouping, _tree
+from mpfunc import _dtypes, _grouping, _loss_scale, _tree
+from mpfunc._loss_scale import ScaleArg
 
 __all__ = ["grads_to_fp32", "grads_to_fp32_"]
 
@@ -25,23 +26,38 @@ def _check_grads(fn: str, grads: Any, leaves: list[Any]) -> None:
             )
 
 
-def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32) -> Any:
+def _unscale_(fn: str, tensors: list[torch.Tensor], scale: object) -> None:
+    """Divides the fp32 grads by the loss scale, one foreach call per device."""
+    value = _loss_scale.scale_value(fn, scale)
+    if value is None:
+        return
+    keys: list[tuple[object, ...] | None] = [(t.device,) for t in tensors]
+    for (device,), idx in _grouping.group_indices(keys).items():
+        assert isinstance(device, torch.device)
+        torch._foreach_div_([tensors[i] for i in idx], value.to(device, non_blocking=True))
+
+
+def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32, *, scale: ScaleArg = None) -> Any:
     """Returns a new tree with every grad cast to ``dtype`` (fp32 by default).
 
     The cast is exact: every bf16/fp16 value is representable in fp32.
-    ``None`` grads (parameters that took no gradient) stay ``None``.
+    ``None`` grads (parameters that took no gradient) stay ``None``. With ``scale``,
+    the grads are also divided by the loss scale in fp32 (after the upcast, so
+    nothing is lost to low-precision rounding), with no host read.
 
     Args:
       grads: a tree of floating-point tensors or ``None``, e.g.
         ``{n: p.grad for n, p in model.named_parameters()}``.
       dtype: ``torch.float32`` (default) or ``torch.float64``.
+      scale: ``None``, a ``StaticLossScale``/``DynamicLossScale``, a float > 0 or a 0-d
+        tensor: the loss scale to divide out.
 
     Returns:
       A tree of ``grads``' structure with fresh tensors of ``dtype``.
 
     Raises:
       TypeError: a leaf is not a tensor or ``None``, or a grad is not floating point.
-      ValueError: ``dtype`` is not float32 or float64.
+      ValueError: ``dtype`` is not float32 or float64, or ``scale`` is not positive.
     """
     fn = "grads_to_fp32"
     dtype = _dtypes.check_master_dtype(fn, dtype)
@@ -49,10 +65,11 @@ def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32) -> Any:
     _check_grads(fn, grads, leaves)
     with torch.no_grad():
         out = [None if g is None else g.detach().to(dtype=dtype, copy=True) for g in leaves]
+        _unscale_(fn, [t for t in out if t is not None], scale)
     return _tree.unflatten(spec, out)
 
 
-def grads_to_fp32_(grads: Any, out: Any) -> Any:
+def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
     """Copies ``grads`` into the preallocated full-precision tree ``out``, in place.
 
     Allocates nothing: each grad is written into ``out``'s matching tensor with
@@ -65,6 +82,7 @@ def grads_to_fp32_(grads: Any, out: Any) -> Any:
       out: a tree of ``grads``' structure holding float32/float64 tensors of the
         grads' shapes and devices, e.g. from ``init_master(params)``. It may hold
         ``None`` where ``grads`` does.
+      scale: as in ``grads_to_fp32``: the loss scale to divide out.
 
     Returns:
       A tree of ``grads``' structure holding ``out``'s tensors, ``None`` where the
@@ -117,6 +135,9 @@ def grads_to_fp32_(grads: Any, out: Any) -> Any:
                 f"device {g.device} (the grad's)",
                 f"device {o.device}",
             )
+    divisor = _loss_scale.scale_value(fn, scale)  # checked before any write
     pairs = [(o, g) for g, o in zip(g_leaves, o_leaves) if g is not None]
     _grouping.copy_grouped_([o for o, _ in pairs], [g for _, g in pairs])
+    with torch.no_grad():
+        _unscale_(fn, [o for o, _ in pairs], divisor)
     return _tree.unflatten(g_spec, [None if g is None else o for g, o in zip(g_leaves, o_leaves)])

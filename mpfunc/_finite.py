@@ -1,0 +1,53 @@
+"""``all_finite``: one device-side flag for a whole tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpfunc import _grouping, _tree
+
+__all__ = ["all_finite"]
+
+
+def all_finite(tree: Any) -> torch.Tensor:
+    """Returns a 0-d bool tensor, on the tree's device, that is true iff no floating
+    leaf holds an inf or a NaN. Nothing is read back to the host.
+
+    Each (device, dtype) group takes one ``torch._foreach_norm(..., inf)``: the
+    largest magnitude is inf for an inf and NaN for a NaN, and unlike a 2-norm it
+    cannot overflow on large finite values. Non-floating leaves and ``None`` count
+    as finite; so does an empty tree (then the flag lives on the CPU).
+
+    Args:
+      tree: a tree of tensors or ``None``.
+
+    Returns:
+      A 0-d ``torch.bool`` tensor on the device of the tree's first floating leaf.
+
+    Raises:
+      TypeError: a leaf is not a tensor or ``None``.
+
+    Example::
+
+      finite = mpfunc.all_finite(g32)
+      masters, state = mpfunc.apply_update_(masters, g32, state, opt, skip=~finite)
+    """
+    leaves, _ = _tree.flatten(tree)
+    _tree.check_tensor_or_none("all_finite", "tree", tree, leaves)
+    keys: list[tuple[object, ...] | None] = [
+        (t.device, t.dtype) if t is not None and t.is_floating_point() and t.numel() else None
+        for t in leaves
+    ]
+    flags: list[torch.Tensor] = []
+    for (device, _), idx in _grouping.group_indices(keys).items():
+        norms = torch._foreach_norm([leaves[i] for i in idx], float("inf"))
+        flags.append(torch.stack([n.float() for n in norms]).isfinite().all())
+        del device
+    if not flags:
+        return torch.ones((), dtype=torch.bool)
+    first = flags[0]
+    for f in flags[1:]:
+        first = first & f.to(first.device)
+    return first
