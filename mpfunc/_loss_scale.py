@@ -47,10 +47,14 @@ def _scale_tensor(fn: str, scale: object) -> torch.Tensor:
 
 
 def _multiply(tree: Any, factor: torch.Tensor) -> Any:
+    """Multiplies floating tensors by the scale in at least fp32: a 2**16 scale does
+    not fit in fp16, so an fp16 loss is upcast first (as torch.amp.GradScaler does)."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
-        return t * factor.to(device=t.device, dtype=t.dtype)
+        dtype = torch.promote_types(t.dtype, torch.float32)
+        return t.to(dtype) * factor.to(device=t.device, dtype=dtype)
 
     return _tree.map_tensors(one, tree)
 
@@ -84,7 +88,8 @@ class StaticLossScale:
         return f"StaticLossScale(loss_scale={self.loss_scale!r})"
 
     def scale(self, tree: Any) -> Any:
-        """Multiplies every floating tensor of ``tree`` (a loss, usually) by the scale."""
+        """Multiplies every floating tensor of ``tree`` (a loss, usually) by the scale,
+        in fp32 (or the tensor's dtype if wider)."""
         return _multiply(tree, self.loss_scale)
 
     def adjust(self, finite: torch.Tensor) -> StaticLossScale:
@@ -206,7 +211,8 @@ class DynamicLossScale:
         )
 
     def scale(self, tree: Any) -> Any:
-        """Multiplies every floating tensor of ``tree`` (a loss, usually) by the scale."""
+        """Multiplies every floating tensor of ``tree`` (a loss, usually) by the scale,
+        in fp32 (or the tensor's dtype if wider)."""
         return _multiply(tree, self.loss_scale)
 
     def adjust(self, finite: torch.Tensor) -> DynamicLossScale:
