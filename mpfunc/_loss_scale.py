@@ -84,6 +84,9 @@ class StaticLossScale:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("StaticLossScale is immutable")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unflatten_static, (None, (self.loss_scale,)))
+
     def __repr__(self) -> str:
         return f"StaticLossScale(loss_scale={self.loss_scale!r})"
 
@@ -202,6 +205,9 @@ class DynamicLossScale:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("DynamicLossScale is immutable; adjust() returns a new one")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unflatten_dynamic, (self.settings(), (self.loss_scale, self.counter)))
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,7 @@ where a missing XLA backend fails the run instead of hiding.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -16,6 +17,16 @@ import torch
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+# Start the XLA runtime before any test runs autograd: torch's autograd engine sizes
+# its per-device queues at its first backward, from the devices registered then, and
+# an XLA backward after a CPU one otherwise trips an internal assert
+# (device_ready_queues_) in torch 2.9 / torch_xla 2.9. Training scripts that touch
+# the XLA device before their first backward never see it.
+with contextlib.suppress(ImportError):
+    import torch_xla
+
+    torch_xla.device()
 
 # XLA compiles a new graph for every new tree shape, so examples are slow and
 # their timing is meaningless: no deadline. Example counts are set per test.
