@@ -126,8 +126,7 @@ def apply_update(
             f"{fn}: opt: {opt.name} updates its tensors in place and cannot be copied; "
             "use apply_update_"
         )
-    # Check the state before copying anything; then run on the copies.
-    opt.prepare(step, state, fn)
+    # The copies are checked, then written; the inputs are only read.
     new_masters, new_state = _clone(masters), _clone(state)
     m_leaves, _ = _tree.flatten(new_masters)
     step = step._replace(masters=new_masters, m_leaves=m_leaves)

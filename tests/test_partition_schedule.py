@@ -1,0 +1,137 @@
+"""Per-leaf hyperparameters (``partition``) and learning-rate schedules.
+
+References: torch.optim param groups and ``torch.optim.lr_scheduler.LambdaLR``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpfunc
+
+
+def _model_tree() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "emb": torch.randn(10, 4, generator=gen),
+        "layers": [
+            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
+            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
+        ],
+        "ln": {"weight": torch.randn(4, generator=gen), "steps": torch.tensor(3)},
+    }
+
+
+def _grads(step: int, params: dict) -> dict:
+    gen = torch.Generator().manual_seed(100 + step)
+    import optree
+
+    return optree.tree_map(
+        lambda p: torch.randn(p.shape, generator=gen) if p.is_floating_point() else None,
+        params,
+        none_is_leaf=True,
+    )
+
+
+@pytest.mark.parametrize("how", ["predicate", "label-tree"])
+def test_no_weight_decay_on_biases_matches_param_groups(how: str) -> None:
+    params = _model_tree()
+    opts = {
+        "decay": mpfunc.adamw(lr=1e-2, weight_decay=0.1),
+        "no_decay": mpfunc.adamw(lr=1e-2, weight_decay=0.0),
+    }
+    if how == "predicate":
+        labels = lambda path, p: "no_decay" if p.ndim < 2 else "decay"  # noqa: E731
+    else:
+        labels = {
+            "emb": "decay",
+            "layers": [{"w": "decay", "b": "no_decay"}, {"w": "decay", "b": "no_decay"}],
+            "ln": {"weight": "no_decay", "steps": None},
+        }
+    opt = mpfunc.partition(opts, labels)
+    masters = mpfunc.init_master(params)
+    state = opt.init(masters)
+    assert set(state) == {"decay", "no_decay"}
+
+    decay = [masters["emb"], masters["layers"][0]["w"], masters["layers"][1]["w"]]
+    no_decay = [masters["layers"][0]["b"], masters["layers"][1]["b"], masters["ln"]["weight"]]
+    ref_decay = [t.clone() for t in decay]
+    ref_no = [t.clone() for t in no_decay]
+    ref = torch.optim.AdamW(
+        [{"params": ref_decay, "weight_decay": 0.1}, {"params": ref_no, "weight_decay": 0.0}],
+        lr=1e-2,
+        fused=True,
+    )
+    for k in range(5):
+        g = _grads(k, params)
+        masters, state = mpfunc.apply_update(masters, g, state, opt)
+        gd = [g["emb"], g["layers"][0]["w"], g["layers"][1]["w"]]
+        gn = [g["layers"][0]["b"], g["layers"][1]["b"], g["ln"]["weight"]]
+        for r, gg in zip(ref_decay + ref_no, gd + gn):
+            r.grad = gg
+        ref.step()
+    got = [masters["emb"], masters["layers"][0]["w"], masters["layers"][1]["w"]]
+    got += [masters["layers"][0]["b"], masters["layers"][1]["b"], masters["ln"]["weight"]]
+    for a, b in zip(got, ref_decay + ref_no):
+        assert torch.equal(a, b)  # the fused kernels on both sides: bit for bit
+    assert masters["ln"]["steps"] is None
+
+
+def test_partition_checks_every_state_before_writing() -> None:
+    """A bad sub-state is found before any sub-optimizer writes."""
+    params = _model_tree()
+    labels = lambda path, p: "a" if path.startswith("emb") else "b"  # noqa: E731
+    opt = mpfunc.partition({"a": mpfunc.sgd(lr=0.1), "b": mpfunc.sgd(lr=0.1, momentum=0.9)}, labels)
+    plain = mpfunc.partition({"a": mpfunc.sgd(lr=0.1), "b": mpfunc.sgd(lr=0.1)}, labels)
+    masters = mpfunc.init_master(params)
+    state = opt.init(masters)
+    bad = dict(state, b=plain.init(masters)["b"])  # "b" without its momentum buffer
+    before = masters["emb"].clone()
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        mpfunc.apply_update_(masters, _grads(0, params), bad, opt)
+    assert torch.equal(masters["emb"], before)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_schedule_matches_lambda_lr(name: str) -> None:
+    """lr as a function of the step count equals torch's LambdaLR on fp32, within the
+    stated bound (the schedule is evaluated in fp32 on the device, LambdaLR in
+    float64 on the host)."""
+    base = 0.05
+    factor = lambda count: 0.9**count  # noqa: E731  (count: steps already taken)
+    make = {"sgd": mpfunc.sgd, "adam": mpfunc.adam, "adamw": mpfunc.adamw}[name]
+    kw = {"momentum": 0.9} if name == "sgd" else {}
+    opt = make(lr=lambda step: base * factor(step), **kw)
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    masters = mpfunc.init_master(params)
+    state = opt.init(masters)
+    ref_t = [masters["b"].clone(), masters["w"].clone()]
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    ref = cls(ref_t, lr=base, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(ref, lr_lambda=factor)
+    peak = max(float(t.abs().max()) for t in ref_t)
+    for k in range(20):
+        g = _grads(k, params)
+        masters, state = mpfunc.apply_update(masters, g, state, opt)
+        ref_t[0].grad, ref_t[1].grad = g["b"], g["w"]
+        ref.step()
+        sched.step()
+        peak = max(peak, *(float(t.abs().max()) for t in ref_t))
+    for a, b in zip([masters["b"], masters["w"]], ref_t):
+        assert float((a - b).abs().max()) <= 1e-6 * peak
+
+
+def test_schedule_sees_the_step_count() -> None:
+    seen: list[float] = []
+
+    def lr(step: torch.Tensor) -> torch.Tensor:
+        seen.append(float(step))  # a host read: fine in a test, not in a training loop
+        return step * 0 + 0.1
+
+    opt = mpfunc.sgd(lr=lr)
+    m = {"w": torch.ones(2)}
+    s = opt.init(m)
+    for _ in range(3):
+        m, s = mpfunc.apply_update(m, {"w": torch.ones(2)}, s, opt)
+    assert seen[-3:] == [0.0, 1.0, 2.0]
