@@ -9,13 +9,14 @@ Four transforms over parameter trees, each pure with an in-place twin::
 
 and the pieces a training loop needs around them: sync-free loss scaling and
 step skipping, global-norm clipping, fp32 accumulation, a precision policy and
-per-leaf hyperparameters. Import only from ``mpfunc``; the ``_``-prefixed
+per-leaf hyperparameters, and checkpoints. Import only from ``mpfunc``; the ``_``-prefixed
 modules are private.
 """
 
 from mpfunc._accumulate import accumulate_grads, accumulate_grads_, init_grads
 from mpfunc._adam import AdamState, adam, adamw
 from mpfunc._apply_update import apply_update, apply_update_
+from mpfunc._checkpoint import load, load_state_dict, masters_state_dict, save, state_dict
 from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
 from mpfunc._finite import all_finite
 from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
@@ -52,9 +53,14 @@ __all__ = [
     "grads_to_fp32_",
     "init_grads",
     "init_master",
+    "load",
+    "load_state_dict",
+    "masters_state_dict",
     "masters_to_model",
     "masters_to_model_",
     "partition",
+    "save",
     "sgd",
+    "state_dict",
     "torch_optimizer",
 ]

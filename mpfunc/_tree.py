@@ -66,8 +66,17 @@ def _format_key(key: Any) -> str:
     return str(key)
 
 
+def _entry_name(entry: Any) -> Any:
+    # NamedTuple fields by name ("exp_avg"), not by position; dict keys and list
+    # indices as they are.
+    if isinstance(entry, optree.NamedTupleEntry):
+        return entry.field
+    return entry.entry
+
+
 def _paths(tree: Any) -> list[tuple[Any, ...]]:
-    return optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
+    accessors = optree.tree_accessors(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
+    return [tuple(_entry_name(e) for e in acc) for acc in accessors]
 
 
 def format_path(path: Sequence[Any]) -> str:

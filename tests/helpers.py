@@ -36,13 +36,13 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, *, nan_payload: bool = T
 
 
 def leaves(tree: Any) -> list[Any]:
-    return optree.tree_leaves(tree, none_is_leaf=True)
+    return optree.tree_leaves(tree, none_is_leaf=True, namespace="mpfunc")
 
 
 def assert_trees_bits_equal(a: Any, b: Any, *, nan_payload: bool = True) -> None:
     sa, sb = (
-        optree.tree_structure(a, none_is_leaf=True),
-        optree.tree_structure(b, none_is_leaf=True),
+        optree.tree_structure(a, none_is_leaf=True, namespace="mpfunc"),
+        optree.tree_structure(b, none_is_leaf=True, namespace="mpfunc"),
     )
     assert sa == sb, (sa, sb)
     for x, y in zip(leaves(a), leaves(b)):
