@@ -7,11 +7,14 @@ step is one graph.
 
     python examples/train_loop.py --device cpu --dtype bf16
     PJRT_DEVICE=CPU python examples/train_loop.py --device xla --dtype fp16
+    python examples/train_loop.py --steps 100 --ckpt run.pt   # saves at the end
+    python examples/train_loop.py --steps 100 --ckpt run.pt   # resumes from step 100
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch import nn
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ckpt", help="resume from this file if it exists; save to it at the end")
     args = ap.parse_args(argv)
 
     device = get_device(args.device)
@@ -75,8 +79,24 @@ def main(argv: list[str] | None = None) -> float:
     # fp16 needs loss scaling; bf16 has fp32's range and does not.
     scaler = mpfunc.DynamicLossScale(device=device) if low == torch.float16 else None
 
+    # Everything that must survive a restart, as one tree. The model's bf16 params are
+    # not in it: they are the masters rounded, restored by masters_to_model_.
+    def checkpoint() -> dict:
+        return {"masters": masters, "opt": state, "scale": scaler, "lr": lr, "step": step_t}
+
+    step_t = torch.zeros((), dtype=torch.int64)  # steps done, kept on the host
+    if args.ckpt and os.path.exists(args.ckpt):
+        restored = mpfunc.load(args.ckpt, like=checkpoint())  # checks every key first
+        masters, state, scaler = restored["masters"], restored["opt"], restored["scale"]
+        lr.copy_(restored["lr"])
+        step_t = restored["step"]
+        mpfunc.masters_to_model_(masters, params)
+        print(f"resumed from {args.ckpt} at step {int(step_t)}", flush=True)
+    first = int(step_t)
+    torch.manual_seed(first)  # the data stream continues from here
+
     loss_value = torch.zeros((), device=device)
-    for step in range(args.steps):
+    for step in range(first, first + args.steps):
         x = torch.randn(args.batch, d_in)
         y = (x @ teacher).argmax(-1)
         x, y = x.to(low).to(device), y.to(device)
@@ -97,9 +117,13 @@ def main(argv: list[str] | None = None) -> float:
         lr.mul_(0.999)  # a schedule, on the device
         loss_value = loss.detach()
         end_step(device)
-        if step % 50 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == first + args.steps - 1:
             scale = f" scale {float(scaler.loss_scale):g}" if scaler else ""
             print(f"step {step:4d} loss {float(loss_value):.4f}{scale}", flush=True)
+    step_t = torch.tensor(first + args.steps)
+    if args.ckpt:
+        mpfunc.save(args.ckpt, checkpoint())  # atomic: a crash here keeps the old file
+        print(f"saved {args.ckpt} at step {int(step_t)}", flush=True)
     return float(loss_value)
 
 

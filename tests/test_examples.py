@@ -32,6 +32,19 @@ def test_train_loop(device: torch.device, dtype: str, capsys: pytest.CaptureFixt
     assert math.isfinite(loss) and loss < first, out
 
 
+def test_train_loop_saves_and_resumes(
+    device: torch.device, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ex = load("train_loop")
+    ck = str(tmp_path / "run.pt")
+    common = ["--device", device.type, "--dtype", "fp16", "--hidden", "32", "--ckpt", ck]
+    ex.main([*common, "--steps", "10"])
+    ex.main([*common, "--steps", "10"])
+    out = capsys.readouterr().out
+    assert "saved" in out and "resumed from" in out and "at step 10" in out
+    assert "step   19" in out
+
+
 def test_functional_call(capsys: pytest.CaptureFixture[str]) -> None:
     loss = load("functional_call").main(["--steps", "60"])
     out = capsys.readouterr().out
