@@ -8,9 +8,9 @@ Four transforms over parameter trees, each pure with an in-place twin::
     params = mpfunc.masters_to_model(masters, params)           # round back
 
 and the pieces a training loop needs around them: sync-free loss scaling and
-step skipping, global-norm clipping, fp32 accumulation, a precision policy and
-per-leaf hyperparameters, and checkpoints. Import only from ``mpfunc``; the ``_``-prefixed
-modules are private.
+step skipping, global-norm clipping, fp32 accumulation, a precision policy,
+per-leaf hyperparameters, checkpoints and data parallelism. Import only from
+``mpfunc``; the ``_``-prefixed modules are private.
 """
 
 from mpfunc._accumulate import accumulate_grads, accumulate_grads_, init_grads
@@ -18,6 +18,14 @@ from mpfunc._adam import AdamState, adam, adamw
 from mpfunc._apply_update import apply_update, apply_update_
 from mpfunc._checkpoint import load, load_state_dict, masters_state_dict, save, state_dict
 from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
+from mpfunc._distributed import (
+    all_reduce_grads,
+    all_reduce_grads_,
+    broadcast_params_,
+    shard,
+    shard_plan,
+    verify_replicas,
+)
 from mpfunc._finite import all_finite
 from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
 from mpfunc._init_master import init_master
@@ -45,8 +53,11 @@ __all__ = [
     "adam",
     "adamw",
     "all_finite",
+    "all_reduce_grads",
+    "all_reduce_grads_",
     "apply_update",
     "apply_update_",
+    "broadcast_params_",
     "clip_by_global_norm",
     "clip_by_global_norm_",
     "grads_to_fp32",
@@ -61,6 +72,9 @@ __all__ = [
     "partition",
     "save",
     "sgd",
+    "shard",
+    "shard_plan",
     "state_dict",
     "torch_optimizer",
+    "verify_replicas",
 ]
