@@ -45,6 +45,34 @@ def test_train_loop_saves_and_resumes(
     assert "step   19" in out
 
 
+def test_data_parallel_under_torchrun(tmp_path: pathlib.Path) -> None:
+    """The README's torchrun command, at a tiny size: 2 gloo ranks, sharded masters."""
+    import os
+    import subprocess
+    import sys
+
+    for extra in ([], ["--unsharded"]):
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             "2", str(EXAMPLES / "data_parallel.py"), "--steps", "30", *extra],
+            capture_output=True, text=True, timeout=180,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        losses = [
+            float(line.split("loss ")[1]) for line in run.stdout.splitlines() if "loss" in line
+        ]
+        assert losses[-1] < losses[0], run.stdout
+        owned = [
+            int(line.split(": ")[1].split()[0])
+            for line in run.stdout.splitlines()
+            if "master+state" in line
+        ]
+        assert len(owned) == 2
+        if not extra:  # sharded: the ranks split the masters and state between them
+            assert max(owned) < 0.75 * sum(owned)
+
+
 def test_functional_call(capsys: pytest.CaptureFixture[str]) -> None:
     loss = load("functional_call").main(["--steps", "60"])
     out = capsys.readouterr().out
