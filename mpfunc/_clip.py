@@ -71,8 +71,12 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
     Returns ``(clipped, total_norm)``: new grads ``g * min(1, max_norm / (norm + 1e-6))``
     and the norm before clipping, a 0-d tensor on the device. The same arithmetic as
     ``torch.nn.utils.clip_grad_norm_``, and no host read. Clip unscaled grads: call
-    it after ``grads_to_fp32(grads, scale=...)``. A non-finite norm makes every grad
-    non-finite, which ``all_finite`` then reports, so the step can be skipped.
+    it after ``grads_to_fp32(grads, scale=...)``. Decide a skip from the grads before
+    clipping (``all_finite(g32)``) or from ``torch.isfinite(total_norm)``, not from the
+    clipped grads: with an inf grad the coefficient is 0, so finite grads become 0 and
+    the inf becomes NaN, and finite grads whose squares overflow fp32 give an inf norm
+    and all-zero clipped grads. A 0-d tensor ``max_norm`` is not range-checked
+    (that would read it on the host); a negative one flips the grads' sign.
 
     Args:
       g32: a tree of floating grads (usually fp32) or ``None``.

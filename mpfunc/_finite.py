@@ -27,7 +27,8 @@ def all_finite(tree: Any) -> torch.Tensor:
       tree: a tree of tensors or ``None``.
 
     Returns:
-      A 0-d ``torch.bool`` tensor on the device of the tree's first floating leaf.
+      A 0-d ``torch.bool`` tensor on the device of the tree's first floating leaf (of
+      its first tensor leaf if none holds elements; the CPU for a tree without tensors).
 
     Raises:
       TypeError: a leaf is not a tensor or ``None``.
@@ -55,7 +56,8 @@ def all_finite(tree: Any) -> torch.Tensor:
             norms = torch._foreach_norm(group, float("inf"))
             flags.append(torch.stack([n.float() for n in norms]).isfinite().all())
     if not flags:
-        return torch.ones((), dtype=torch.bool)
+        device = next((t.device for t in leaves if t is not None), torch.device("cpu"))
+        return torch.ones((), dtype=torch.bool, device=device)
     first = flags[0]
     for f in flags[1:]:
         first = first & f.to(first.device)

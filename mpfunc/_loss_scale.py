@@ -23,12 +23,22 @@ from mpfunc import _tree
 __all__ = ["DynamicLossScale", "LossScale", "ScaleArg", "StaticLossScale", "scale_value"]
 
 
-def _scalar(fn: str, name: str, value: object, *, min_value: float) -> float:
+def _scalar(fn: str, name: str, value: object, rule: str) -> float:
+    """A finite float obeying ``rule``: ``">= 0"``, ``"> 0"``, ``"> 1"`` or ``"in (0, 1)"``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{fn}: {name}: expected a float, got {type(value).__name__}")
+        raise TypeError(f"{fn}: {name}: expected a finite float {rule}, got {type(value).__name__}")
     value = float(value)
-    if not (math.isfinite(value) and value >= min_value):
-        raise ValueError(f"{fn}: {name}: expected a finite float >= {min_value}, got {value}")
+    ok = (
+        math.isfinite(value)
+        and {
+            ">= 0": value >= 0.0,
+            "> 0": value > 0.0,
+            "> 1": value > 1.0,
+            "in (0, 1)": 0.0 < value < 1.0,
+        }[rule]
+    )
+    if not ok:
+        raise ValueError(f"{fn}: {name}: expected a finite float {rule}, got {value}")
     return value
 
 
@@ -36,14 +46,11 @@ def _scale_tensor(fn: str, scale: object) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         if scale.ndim != 0 or not scale.is_floating_point():
             raise TypeError(
-                f"{fn}: scale: expected a positive float or a 0-d float tensor, got "
+                f"{fn}: scale: expected a finite float > 0 or a 0-d float tensor, got "
                 f"{_tree.describe(scale)}"
             )
         return scale.detach().to(torch.float32)
-    value = _scalar(fn, "scale", scale, min_value=0.0)
-    if value == 0.0:
-        raise ValueError(f"{fn}: scale: expected a finite float > 0, got 0.0")
-    return torch.tensor(value, dtype=torch.float32)
+    return torch.tensor(_scalar(fn, "scale", scale, "> 0"), dtype=torch.float32)
 
 
 def _multiply(tree: Any, factor: torch.Tensor) -> Any:
@@ -156,13 +163,9 @@ class DynamicLossScale:
             raise TypeError(f"{fn}: growth_interval: expected an int >= 1, got {growth_interval!r}")
         if growth_interval < 1:
             raise ValueError(f"{fn}: growth_interval: expected an int >= 1, got {growth_interval}")
-        growth = _scalar(fn, "growth_factor", growth_factor, min_value=1.0)
-        if growth == 1.0:
-            raise ValueError(f"{fn}: growth_factor: expected a float > 1, got 1.0")
-        backoff = _scalar(fn, "backoff_factor", backoff_factor, min_value=0.0)
-        if not 0.0 < backoff < 1.0:
-            raise ValueError(f"{fn}: backoff_factor: expected a float in (0, 1), got {backoff}")
-        floor = _scalar(fn, "min_scale", min_scale, min_value=0.0)
+        growth = _scalar(fn, "growth_factor", growth_factor, "> 1")
+        backoff = _scalar(fn, "backoff_factor", backoff_factor, "in (0, 1)")
+        floor = _scalar(fn, "min_scale", min_scale, ">= 0")
         self._set(
             scale.to(device) if device is not None else scale,
             torch.zeros((), dtype=torch.int32, device=device),

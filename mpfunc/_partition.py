@@ -47,7 +47,10 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
     """
     fn = "partition"
     if not isinstance(optimizers, Mapping) or not optimizers:
-        raise TypeError(f"{fn}: optimizers: expected a non-empty dict of label -> Optimizer")
+        got = "an empty dict" if isinstance(optimizers, Mapping) else _tree.describe(optimizers)
+        raise TypeError(
+            f"{fn}: optimizers: expected a non-empty dict of label -> Optimizer, got {got}"
+        )
     for name, opt in optimizers.items():
         if not isinstance(opt, Optimizer):
             raise TypeError(

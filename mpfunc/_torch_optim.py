@@ -75,8 +75,9 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
             )
         if step.skip is not None:
             raise TypeError(
-                f"{where}: skip: torch.optim optimizers step unconditionally; a device-side "
-                "skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw)"
+                f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "
+                f"{_tree.describe(step.skip)}: torch.optim optimizers step unconditionally; a "
+                "device-side skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw)"
             )
 
         def commit() -> None:

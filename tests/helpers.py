@@ -16,8 +16,19 @@ ATOL_PER_LR = 1e-6
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def settle(t: torch.Tensor) -> None:
+    """On XLA, run pending work before reading a tensor back: torch_xla 2.9 can reuse a
+    cached graph for a read whose graph matches an earlier one's shape but not its
+    inputs, returning the earlier result. A sync materializes everything first."""
+    if t.device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bit patterns of a floating tensor, on the CPU."""
+    settle(t)
     return t.detach().cpu().contiguous().view(_INT[t.element_size()])
 
 
@@ -26,6 +37,8 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, *, nan_payload: bool = T
     casts canonicalize NaN payloads, XLA keeps them)."""
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     assert a.shape == b.shape, (a.shape, b.shape)
+    settle(a)
+    settle(b)
     a, b = a.detach().cpu(), b.detach().cpu()
     same = bits(a) == bits(b)
     if not nan_payload:
@@ -70,6 +83,10 @@ def assert_close_bound(actual: torch.Tensor, expected: torch.Tensor, lr: float, 
 
 def snapshot(tree: Any) -> list[Any]:
     """Clones and version counters of every tensor in ``tree``."""
+    for t in leaves(tree):
+        if isinstance(t, torch.Tensor):
+            settle(t)
+            break
     return [
         (t.detach().cpu().clone(), t._version) if isinstance(t, torch.Tensor) else t
         for t in leaves(tree)
@@ -77,6 +94,10 @@ def snapshot(tree: Any) -> list[Any]:
 
 
 def assert_unchanged(tree: Any, snap: list[Any]) -> None:
+    for t in leaves(tree):
+        if isinstance(t, torch.Tensor):
+            settle(t)
+            break
     for t, s in zip(leaves(tree), snap):
         if isinstance(t, torch.Tensor):
             clone, version = s
