@@ -2,9 +2,9 @@
 
 Every rank holds the bf16 model; each rank holds fp32 masters and AdamW state only
 for the leaves it owns (``shard_plan``), about 1/world_size of them. A step:
-backward on the local batch, one bucketed all-reduce of the bf16 grads (summed in
-fp32), the owners update their masters, and the owners' new bf16 params are
-broadcast to every replica.
+backward on the local batch, each bf16 grad reduced (summed in fp32) to its owner,
+the owners update their masters, and the owners' new bf16 params are broadcast to
+every replica.
 
     torchrun --standalone --nproc_per_node 2 examples/data_parallel.py
     torchrun --standalone --nproc_per_node 2 examples/data_parallel.py --unsharded
@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> float:
         loss = loss.detach()
 
         grads = {n: p.grad for n, p in params.items()}
-        g32 = mpfunc.all_reduce_grads(grads, reduce_dtype=torch.float32)  # bucketed, mean
-        g32 = mpfunc.shard(g32, plan, mine)
+        if args.unsharded:  # every rank needs every grad: one bucketed all-reduce (mean)
+            g32 = mpfunc.all_reduce_grads(grads, reduce_dtype=torch.float32)
+        else:  # each grad goes only to its owner: about half the traffic
+            g32 = mpfunc.reduce_grads_to_owners(grads, plan, reduce_dtype=torch.float32)
         mpfunc.apply_update_(masters, g32, state, opt, skip=~mpfunc.all_finite(g32))
         mpfunc.masters_to_model_(masters, mpfunc.shard(params, plan, mine))
         if not args.unsharded:

@@ -22,6 +22,7 @@ __all__ = [
     "all_reduce_grads",
     "all_reduce_grads_",
     "broadcast_params_",
+    "reduce_grads_to_owners",
     "shard",
     "shard_plan",
     "verify_replicas",
@@ -108,17 +109,37 @@ def _reduce(
             continue
         dist = _dist()
         world = _world(group)
-        for run in _buckets(
-            idx, leaves, torch.empty((), dtype=rdtype).element_size(), bucket_bytes
-        ):
-            # Flattened for the wire only: one contiguous buffer per bucket.
-            flat = torch.cat([leaves[i].reshape(-1).to(rdtype) for i in run])
+        if world == 1:  # nothing to exchange: a copy in the reduce dtype
+            for i in idx:
+                out[i] = leaves[i].to(rdtype, copy=True)
+            continue
+        itemsize = torch.empty((), dtype=rdtype).element_size()
+        for run in _buckets(idx, leaves, itemsize, bucket_bytes):
+            flat, pieces = _pack(leaves, run, rdtype)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             if op == "mean":
                 flat.div_(world)
-            for i, piece in zip(run, torch.split(flat, [leaves[i].numel() for i in run])):
-                out[i] = piece.view(leaves[i].shape)
+            for i, piece in zip(run, pieces):
+                out[i] = piece
     return out
+
+
+def _pack(
+    leaves: Sequence[torch.Tensor], run: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One contiguous buffer for a bucket (flattened for the wire only), filled leaf by
+    leaf with the cast folded into the copy, and each leaf's shaped view into it."""
+    first = leaves[run[0]]
+    flat = torch.empty(sum(leaves[i].numel() for i in run), dtype=dtype, device=first.device)
+    pieces = []
+    offset = 0
+    for i in run:
+        n = leaves[i].numel()
+        piece = flat[offset : offset + n].view(leaves[i].shape)
+        piece.copy_(leaves[i])
+        pieces.append(piece)
+        offset += n
+    return flat, pieces
 
 
 def _reduce_xla(
@@ -160,7 +181,8 @@ def all_reduce_grads(
       bucket_bytes: the largest bucket, in bytes of the reduce dtype.
 
     Returns:
-      A new tree of reduced grads, in ``reduce_dtype`` (or the grads' dtypes).
+      A new tree of reduced grads, in ``reduce_dtype`` (or the grads' dtypes). Leaves of
+      one bucket are views into that bucket's buffer (no second copy is made).
 
     Raises:
       RuntimeError: torch.distributed is not initialized (eager tensors).
@@ -193,6 +215,65 @@ def all_reduce_grads_(
             if g is not None and r is not g:
                 g.copy_(r)
     return grads
+
+
+def reduce_grads_to_owners(
+    grads: Any,
+    plan: Any,
+    group: Any = None,
+    op: str = "mean",
+    reduce_dtype: torch.dtype | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Any:
+    """Reduces each grad to the rank that owns it under ``plan`` (for sharded masters).
+
+    Like ``all_reduce_grads``, but each bucket holds one owner's leaves and goes to
+    that owner with ``torch.distributed.reduce``, so a rank receives only the grads it
+    updates: about half an all-reduce's traffic.
+
+    Args:
+      grads: a tree of floating tensors or ``None`` (the same tree on every rank).
+      plan: from ``shard_plan``, the same on every rank.
+      group, op, reduce_dtype, bucket_bytes: as in ``all_reduce_grads``.
+
+    Returns:
+      The reduced grads this rank owns (in ``reduce_dtype`` or their own dtype), and
+      ``None`` for every other leaf: the ``g32`` of this rank's sharded update.
+
+    Raises:
+      RuntimeError, TypeError, ValueError: as ``all_reduce_grads``; ``ValueError`` if
+        ``plan`` does not match ``grads``.
+    """
+    fn = "reduce_grads_to_owners"
+    leaves, spec = _check_grads(fn, grads, op, reduce_dtype)
+    p_leaves, p_spec = _tree.flatten(plan)
+    _tree.check_same_structure(fn, "grads", grads, spec, "plan", plan, p_spec)
+    dist = _dist()
+    world = _world(group)
+    me = dist.get_rank(group)
+    out: list[Any] = [None] * len(leaves)
+    with torch.no_grad():
+        for r in range(world):
+            dst = r if group is None else dist.get_global_rank(group, r)
+            keys: dict[tuple[Any, ...], list[int]] = {}
+            for i, (g, owner) in enumerate(zip(leaves, p_leaves)):
+                if g is not None and owner == r:
+                    keys.setdefault((g.device, g.dtype), []).append(i)
+            for (_, dtype), idx in keys.items():
+                rdtype = reduce_dtype or dtype
+                size = torch.empty((), dtype=rdtype).element_size()
+                for run in _buckets(idx, leaves, size, bucket_bytes):
+                    flat, pieces = _pack(leaves, run, rdtype)
+                    if world > 1:
+                        dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group)
+                    if r != me:
+                        continue
+                    if op == "mean":
+                        flat.div_(world)
+                    for i, piece in zip(run, pieces):
+                        out[i] = piece
+    return _tree.unflatten(spec, out)
 
 
 def shard_plan(params: Any, world_size: int) -> Any:
@@ -268,6 +349,8 @@ def broadcast_params_(
     p_leaves, p_spec = _tree.flatten(plan)
     _tree.check_same_structure("broadcast_params_", "params", params, spec, "plan", plan, p_spec)
     world = _world(group)
+    if world == 1:
+        return params
     with torch.no_grad():
         for r in range(world):
             src = r if group is None else dist.get_global_rank(group, r)
@@ -278,10 +361,10 @@ def broadcast_params_(
             for (_, dtype), idx in keys.items():
                 size = torch.empty((), dtype=dtype).element_size()
                 for run in _buckets(idx, leaves, size, bucket_bytes):
-                    flat = torch.cat([leaves[i].reshape(-1) for i in run])
+                    flat, pieces = _pack(leaves, run, dtype)
                     dist.broadcast(flat, src=src, group=group)
-                    for i, piece in zip(run, torch.split(flat, [leaves[i].numel() for i in run])):
-                        leaves[i].copy_(piece.view(leaves[i].shape))
+                    for i, piece in zip(run, pieces):
+                        leaves[i].copy_(piece)
     return params
 
 

@@ -77,8 +77,10 @@ def train_unsharded(
 class Sharded:
     """Sharded fp32 masters: each rank keeps masters and state for its own leaves."""
 
-    def __init__(self, dtype: torch.dtype, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
+    def __init__(self, dtype: torch.dtype, rank: int, world: int, owners: bool = False) -> None:
+        # owners: reduce each grad to its owner only (reduce_grads_to_owners) instead of
+        # all-reducing every grad and keeping this rank's share.
+        self.rank, self.world, self.owners = rank, world, owners
         self.model = make_model(dtype)
         self.params = dict(self.model.named_parameters())
         self.plan = mpfunc.shard_plan(self.params, world)
@@ -89,8 +91,11 @@ class Sharded:
     def train(self, start: int, stop: int) -> None:
         for step in range(start, stop):
             grads = local_grads(self.model, step, self.rank, self.world)
-            reduced = mpfunc.all_reduce_grads(grads, reduce_dtype=torch.float32)
-            g32 = mpfunc.shard(reduced, self.plan, self.rank)
+            if self.owners:
+                g32 = mpfunc.reduce_grads_to_owners(grads, self.plan, reduce_dtype=torch.float32)
+            else:
+                reduced = mpfunc.all_reduce_grads(grads, reduce_dtype=torch.float32)
+                g32 = mpfunc.shard(reduced, self.plan, self.rank)
             mpfunc.apply_update_(self.masters, g32, self.state, self.opt)
             mpfunc.masters_to_model_(self.masters, mpfunc.shard(self.params, self.plan, self.rank))
             mpfunc.broadcast_params_(self.params, self.plan)  # owners -> every replica
@@ -118,6 +123,12 @@ def scenario_train(rank: int, world: int, out: str) -> None:
     }
     result["sharded_bytes"] = sh.state_bytes()
     result["plan"] = sh.plan
+    ow = Sharded(torch.bfloat16, rank, world, owners=True)
+    ow.train(0, STEPS)
+    result["owners"] = {
+        "masters": ow.masters,
+        "params": {n: p.detach() for n, p in ow.params.items()},
+    }
     torch.save(result, f"{out}/train-rank{rank}.pt")
 
 
@@ -125,7 +136,7 @@ def scenario_save(rank: int, world: int, out: str) -> None:
     """Sharded fp32 training for K steps, then a DCP checkpoint of the sharded state."""
     import torch.distributed.checkpoint as dcp
 
-    sh = Sharded(torch.float32, rank, world)
+    sh = Sharded(torch.float32, rank, world, owners=True)
     sh.train(0, int(os.environ["K"]))
     sd = mpfunc.state_dict({**sh.tree(), "params": sh.params})
     dcp.save(sd, checkpoint_id=f"{out}/dcp")
@@ -135,7 +146,7 @@ def scenario_resume(rank: int, world: int, out: str) -> None:
     """Loads the DCP checkpoint under this world size's plan, trains to N, saves."""
     import torch.distributed.checkpoint as dcp
 
-    sh = Sharded(torch.float32, rank, world)
+    sh = Sharded(torch.float32, rank, world, owners=True)
     like = {**sh.tree(), "params": sh.params}
     sd = {k: v.clone() for k, v in mpfunc.state_dict(like).items()}
     dcp.load(sd, checkpoint_id=f"{out}/dcp")

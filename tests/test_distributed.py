@@ -90,6 +90,18 @@ def test_all_reduce_and_sharded_masters(world: int, tmp_path: pathlib.Path) -> N
             assert torch.equal(res["sharded"]["masters"][n], res["bf16"]["masters"][n]), n
         for n, p in res["sharded"]["params"].items():
             assert torch.equal(p, res["bf16"]["params"][n]), n
+    # Reducing each grad only to its owner gives the same masters up to the order of the
+    # fp32 sums (bit for bit at 2 ranks, where a sum of two is order-free).
+    for res in ranks:
+        for n, m in res["owners"]["masters"].items():
+            if m is None:
+                continue
+            if world == 2:
+                assert torch.equal(m, res["sharded"]["masters"][n]), n
+            else:
+                assert close(m, res["sharded"]["masters"][n]), n
+        for n, p in res["owners"]["params"].items():
+            assert torch.equal(p, ranks[0]["owners"]["params"][n]), n  # replicas agree
     # Each rank holds about 1/world of the masters and optimizer state: leaves are
     # whole, so the most loaded rank exceeds full/world by at most the largest leaf.
     full = sum(b["sharded_bytes"] for b in ranks)
