@@ -1,0 +1,438 @@
+"""Data-parallel scaling on gloo: 1, 2 and 4 ranks, unsharded against sharded masters.
+
+Trains one bf16 transformer-like model with fp32 masters in three modes (``unsharded``,
+``sharded``, and the ``pertensor`` baseline; see ``bench/_dp_worker.py``) at each world
+size, and writes ``dp_scaling.md``, ``dp_scaling.json`` and ``dp_scaling.png`` to
+``--out``::
+
+    python -m bench.dp_scaling                       # default size, 1, 2 and 4 ranks
+    python -m bench.dp_scaling --worlds 2 --blocks 20
+    python -m bench.dp_scaling --smoke --out /tmp/d  # 1 and 2 ranks, tiny; the tests
+
+Protocol. For each world size W, every mode gets its own gloo group: W processes that
+join through a file store on this machine (so all traffic goes over 127.0.0.1), each
+with ``OMP_NUM_THREADS=1`` (``--threads``), so that W ranks oversubscribe the cores no
+more than they must and a rank's compute is the same at every W. (``--threads 0`` gives
+each rank usable cores // W threads instead; on a shared 2-core machine two OpenMP threads
+per process made small kernels up to 100x slower whenever the other core was busy.) A
+process per (mode, rank) isolates each mode's peak memory. The processes are started and
+warmed up together, then kept alive while the parent drives them over pipes: in each of
+``--blocks`` blocks, every mode runs ``--steps`` steps in turn (all W ranks at once, a
+barrier first), starting from a different mode each block, while the other modes'
+processes wait idle. A step's time is the slowest rank's;
+the table gives the median over all measured steps, and the ratio to the per-tensor
+baseline is the median over blocks of the per-block ratio, so a slow spell on a shared
+machine hits the modes of its block together and mostly cancels out. Collectives and their
+bytes are counted inside each rank (see ``bench/_dp_worker.py``). World sizes run one
+after another; every launch and every reply is bounded by ``--timeout``.
+
+With more ranks than cores (4 ranks on a 2-core machine), the rows measure data-parallel
+overhead, not speedup; the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import select
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from bench import _dp_report
+from bench._seed_model import ModelConfig, count
+from bench.seed import machine_info
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "results" / "dp_scaling"
+MODES = ("unsharded", "sharded", "pertensor")
+PRESETS = {
+    # 7.4M parameters in 101 tensors; about 0.1-0.3 s a step with 1 or 2 ranks on 2 cores.
+    "default": ModelConfig(
+        d_model=256, layers=8, heads=4, ffn=1024, vocab=2048, seq=32, batch=8, dropout=0.0
+    ),
+    # Seconds in total, for the test suite.
+    "smoke": ModelConfig(
+        d_model=32, layers=2, heads=2, ffn=64, vocab=64, seq=8, batch=4, dropout=0.0
+    ),
+}
+# Per preset: warm-up steps, blocks, steps per block.
+SCHEDULES = {"default": (2, 8, 3), "smoke": (1, 2, 2)}
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class RankProcess:
+    """One ``bench._dp_worker`` process (one rank of one mode) and its pipe."""
+
+    def __init__(
+        self, mode: str, rank: int, world: int, store: Path, threads: int, log: Path, timeout: float
+    ) -> None:
+        self.mode, self.rank, self.timeout = mode, rank, timeout
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 -- outlives __init__; closed in wait()
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        cmd = [sys.executable, "-m", "bench._dp_worker", "--mode", mode, "--rank", str(rank)]
+        cmd += ["--world", str(world), "--store", str(store), "--threads", str(threads)]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, text=True,
+        )  # fmt: skip
+
+    def send(self, msg: dict[str, Any]) -> None:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps(msg) + "\n")
+            stdin.flush()
+        except BrokenPipeError:
+            raise WorkerError(self._died("exited early")) from None
+
+    def recv(self) -> dict[str, Any]:
+        stdout = self.proc.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], self.timeout)
+        if not ready:
+            self.proc.kill()
+            raise WorkerError(self._died(f"no reply in {self.timeout:.0f} s"))
+        line = stdout.readline()
+        if not line:
+            raise WorkerError(self._died("exited early"))
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.pop("ok"):
+            raise WorkerError(f"rank {self.rank}: " + str(reply["error"]).strip().splitlines()[-1])
+        return reply
+
+    def _died(self, what: str) -> str:
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        tail = self.log_path.read_text().strip().splitlines()[-3:]
+        return f"rank {self.rank} {what} (exit {self.proc.returncode}): " + " | ".join(tail)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+
+    def wait(self) -> None:
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class Progress:
+    """Progress lines on stderr, with the elapsed time."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream, self.t0 = stream, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.t0
+        self.stream.write(f"[dp_scaling {elapsed:6.1f}s] {text}\n")
+        self.stream.flush()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f}ms"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _call_all(ranks: list[RankProcess], msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Sends ``msg`` to every rank of a mode at once (they act collectively), then waits
+    for every reply; the first failure kills the mode's other ranks and raises."""
+    try:
+        for r in ranks:
+            r.send(msg)
+        return [r.recv() for r in ranks]
+    except WorkerError:
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+        raise
+
+
+def run_world(
+    world: int, modes: list[str], cfg: ModelConfig, args: argparse.Namespace, logs: Path,
+    say: Progress,
+) -> dict[str, Any]:  # fmt: skip
+    """Set up, warm up and measure every mode with ``world`` ranks; return the results."""
+    threads = args.threads or max(1, args.cores // world)
+    results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}
+    procs: dict[str, list[RankProcess]] = {}
+    live: list[str] = []
+    try:
+        say(f"{world} ranks x {threads} threads: starting {world * len(modes)} processes")
+        for m in modes:
+            store = logs / f"store-{world}-{m}"
+            store.unlink(missing_ok=True)
+            procs[m] = [
+                RankProcess(
+                    m, r, world, store, threads, logs / f"{world}-{m}-rank{r}.log", args.timeout
+                )
+                for r in range(world)
+            ]
+        setup = {
+            "cmd": "setup",
+            "config": dataclasses.asdict(cfg),
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "reduce_dtype": args.reduce_dtype,
+            "bucket_bytes": args.bucket_bytes,
+            "timeout": args.timeout,
+        }
+        # Set-up and warm-up are not measured, so every mode's ranks do them at once.
+        for m in modes:
+            try:
+                for r in procs[m]:
+                    r.send(setup)
+            except WorkerError as e:
+                results[m]["error"] = str(e)
+        for m in modes:
+            if "error" in results[m]:
+                continue
+            try:
+                results[m]["setup"] = [r.recv() for r in procs[m]]
+            except WorkerError as e:
+                results[m]["error"] = str(e)
+                say(f"{world} ranks: {m} FAILED: {e}")
+                for r in procs[m]:
+                    if r.proc.poll() is None:
+                        r.proc.kill()
+                continue
+            live.append(m)
+            info = results[m]["setup"][0]
+            say(
+                f"{world} ranks: {m} ready: joined in {info['join_s']:.1f}s, built in "
+                f"{info['build_s']:.1f}s, warm-up steps "
+                + ", ".join(_ms(s) for s in info["warmup_s"])
+            )
+        for b in range(args.blocks):
+            order = [live[(b + i) % len(live)] for i in range(len(live))]
+            line = []
+            for m in order:
+                try:
+                    replies = _call_all(procs[m], {"cmd": "run", "steps": args.steps})
+                except WorkerError as e:
+                    results[m]["error"] = str(e)
+                    say(f"{world} ranks: {m} FAILED: {e}")
+                    continue
+                step_s = [max(rr["step_s"][i] for rr in replies) for i in range(args.steps)]
+                sample = {
+                    "block": b,
+                    "step_s": step_s,
+                    "block_step_s": max(rr["block_s"] for rr in replies) / args.steps,
+                    "loss": sum(rr["loss"] for rr in replies) / len(replies),
+                    "ranks": replies,
+                }
+                results[m]["samples"].append(sample)
+                line.append(f"{m} {_ms(sample['block_step_s'])}")
+            live = [m for m in live if "error" not in results[m]]
+            say(f"{world} ranks: block {b + 1}/{args.blocks}: " + ", ".join(line))
+        for m in live:
+            try:
+                results[m]["memory"] = _call_all(procs[m], {"cmd": "finish"})
+            except WorkerError as e:
+                results[m]["error"] = str(e)
+    finally:
+        for ranks in procs.values():
+            for r in ranks:
+                r.close()  # all at once: they exit in parallel
+        for ranks in procs.values():
+            for r in ranks:
+                r.wait()
+        for m in procs:
+            (logs / f"store-{world}-{m}").unlink(missing_ok=True)
+    return {
+        "world": world,
+        "threads": threads,
+        "modes": results,
+        "summary": _dp_report.summarize(results),
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.dp_scaling",
+        description="Data-parallel scaling on gloo: step time, collectives, bytes and "
+        "per-rank memory of unsharded and sharded fp32 masters and of a per-tensor "
+        "all-reduce baseline, at several world sizes.",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (%(default)s)")
+    p.add_argument("--worlds", help="comma-separated world sizes (1,2,4; smoke 1,2)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated (%(default)s)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="default: 7.4M parameters in 101 tensors; smoke: tiny, for tests",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny and fast: --preset smoke")
+    size = p.add_argument_group("model size (overrides the preset)")
+    for field in ("d_model", "layers", "heads", "ffn", "vocab", "seq", "batch"):
+        size.add_argument(
+            "--" + field.replace("_", "-"),
+            dest=field,
+            type=int,
+            help="global batch, split over the ranks" if field == "batch" else None,
+        )
+    sched = p.add_argument_group("schedule (default: per preset)")
+    sched.add_argument("--warmup", type=int, help="warm-up steps, excluded (2; smoke 1)")
+    sched.add_argument("--blocks", type=int, help="measured blocks (8; smoke 2)")
+    sched.add_argument("--steps", type=int, help="steps per mode per block (3; smoke 2)")
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype the grads are summed in (fp32: upcast first, as the tests do; "
+        "bf16: the grads' own)",
+    )
+    p.add_argument(
+        "--bucket-mib",
+        type=float,
+        default=25.0,
+        help="largest all-reduce/broadcast bucket, MiB (mpfunc's default, %(default)s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OMP threads per rank (%(default)s); 0: usable cores // ranks, at least 1",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300,
+        help="seconds: each reply, and gloo's collective timeout (%(default)s)",
+    )
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset = "smoke"
+    warmup, blocks, steps = SCHEDULES[args.preset]
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.blocks = blocks if args.blocks is None else args.blocks
+    args.steps = steps if args.steps is None else args.steps
+    if args.warmup < 0 or args.blocks < 1 or args.steps < 1 or args.threads < 0:
+        p.error("need --warmup >= 0, --blocks >= 1, --steps >= 1 and --threads >= 0")
+    if args.bucket_mib <= 0 or args.timeout <= 0:
+        p.error("need --bucket-mib > 0 and --timeout > 0")
+    args.bucket_bytes = int(args.bucket_mib * 2**20)
+    if args.worlds is None:
+        args.worlds = "1,2" if args.preset == "smoke" else "1,2,4"
+    try:
+        args.world_list = sorted({int(w) for w in args.worlds.split(",") if w.strip()})
+    except ValueError:
+        p.error(f"--worlds: expected comma-separated integers, got {args.worlds!r}")
+    if not args.world_list or args.world_list[0] < 1:
+        p.error("--worlds: expected world sizes >= 1")
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = sorted(set(args.mode_list) - set(MODES))
+    if bad or not args.mode_list:
+        p.error(f"--modes: unknown {', '.join(bad)}; choose among {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    say = Progress(sys.stderr)
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    cfg = dataclasses.replace(PRESETS[args.preset], **overrides)
+    if cfg.d_model % cfg.heads:
+        raise SystemExit(
+            f"dp_scaling: --d-model {cfg.d_model} is not a multiple of --heads {cfg.heads}"
+        )
+    bad = [w for w in args.world_list if cfg.batch % w]
+    if bad:
+        raise SystemExit(
+            f"dp_scaling: the global batch ({cfg.batch}) must split evenly over "
+            f"{', '.join(map(str, bad))} ranks; pass --batch"
+        )
+    args.cores = usable_cores()
+    out = args.out.resolve()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    params, tensors = count(cfg)
+    say(
+        f"model {params / 1e6:.1f}M parameters in {tensors} tensors; ranks "
+        f"{', '.join(map(str, args.world_list))} on {args.cores} cores; modes "
+        f"{', '.join(args.mode_list)}; {args.warmup} warm-up steps, then {args.blocks} "
+        f"blocks x {args.steps} steps"
+    )
+    result: dict[str, Any] = {
+        "benchmark": "dp_scaling",
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.dp_scaling"])
+        + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "cores": args.cores,
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "MKL_", "GLOO_"))},
+        "preset": args.preset,
+        "config": dataclasses.asdict(cfg),
+        "parameters": params,
+        "tensors": tensors,
+        "schedule": {"warmup": args.warmup, "blocks": args.blocks, "steps": args.steps},
+        "reduce_dtype": args.reduce_dtype,
+        "bucket_bytes": args.bucket_bytes,
+        "seed": args.seed,
+        "worlds": {},
+        "loadavg": {"start": _loadavg()},
+    }
+    t0 = time.perf_counter()
+    for w in args.world_list:
+        result["worlds"][str(w)] = run_world(w, args.mode_list, cfg, args, logs, say)
+    result["wall_s"] = time.perf_counter() - t0
+    result["loadavg"]["end"] = _loadavg()
+    _dp_report.add_scaling(result)
+
+    (out / "dp_scaling.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = _dp_report.markdown(result)
+    (out / "dp_scaling.md").write_text(table)
+    _dp_report.plot(result, out / "dp_scaling.png")
+    say(f"done in {result['wall_s']:.0f}s; wrote dp_scaling.md, .json, .png to {out}")
+    sys.stdout.write(table)
+    failed = [
+        f"{w} ranks/{m}"
+        for w, d in result["worlds"].items()
+        for m, r in d["modes"].items()
+        if "error" in r
+    ]
+    if failed:
+        say(f"FAILED: {', '.join(failed)} (see {logs})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
