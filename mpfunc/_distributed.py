@@ -105,7 +105,7 @@ def _reduce(
     for (device, dtype), idx in keys.items():
         rdtype = reduce_dtype or dtype
         if device.type == "xla":
-            _reduce_xla(leaves, idx, op, rdtype, out)
+            _reduce_xla(leaves, idx, group, op, rdtype, out)
             continue
         dist = _dist()
         world = _world(group)
@@ -143,11 +143,32 @@ def _pack(
 
 
 def _reduce_xla(
-    leaves: list[Any], idx: list[int], op: str, rdtype: torch.dtype, out: list[Any]
+    leaves: list[Any], idx: list[int], group: Any, op: str, rdtype: torch.dtype, out: list[Any]
 ) -> None:
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
+    if group is not None:
+        raise ValueError(
+            "all_reduce_grads: group: expected None for XLA tensors (torch_xla reduces over "
+            f"its own replicas), got {group!r}"
+        )
+    import torch.distributed as dist
+
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and xr.world_size() == 1
+        and not xr.is_spmd()  # type: ignore[no-untyped-call]
+    ):
+        # Under torchrun with a runtime that sees one participant, xm.all_reduce would
+        # silently return each process's own grads.
+        raise RuntimeError(
+            f"all_reduce_grads: torch.distributed has {dist.get_world_size()} ranks but the "
+            "XLA runtime sees 1 participant, so an XLA all-reduce would do nothing; launch "
+            "with torch_xla's launcher (xmp.spawn) so the runtime sees every device"
+        )
     scale = 1.0 / xr.world_size() if op == "mean" else 1.0
     tensors = [
         leaves[i].to(rdtype) if leaves[i].dtype != rdtype else leaves[i].clone() for i in idx
@@ -178,14 +199,19 @@ def all_reduce_grads(
       op: ``"mean"`` (default) or ``"sum"``.
       reduce_dtype: ``None`` reduces in the grads' own dtype, as the recipe does;
         ``torch.float32`` upcasts first, for accuracy, and returns fp32 grads.
-      bucket_bytes: the largest bucket, in bytes of the reduce dtype.
+      bucket_bytes: the largest bucket, in bytes of the reduce dtype. Not used on XLA,
+        where each (device, dtype) group is one list all-reduce that XLA schedules.
+
+    On XLA's CPU backend an all-reduce cannot carry bf16: pass
+    ``reduce_dtype=torch.float32`` there (TPUs reduce bf16 natively).
 
     Returns:
       A new tree of reduced grads, in ``reduce_dtype`` (or the grads' dtypes). Leaves of
       one bucket are views into that bucket's buffer (no second copy is made).
 
     Raises:
-      RuntimeError: torch.distributed is not initialized (eager tensors).
+      RuntimeError: torch.distributed is not initialized (eager tensors), or on XLA it
+        has several ranks while the XLA runtime sees one participant.
       TypeError, ValueError: a leaf is not a floating tensor or ``None``, or an
         argument is out of range.
     """
