@@ -1,0 +1,422 @@
+"""The seed benchmark: the original mixed-precision slowdown, side by side with mpfunc.
+
+Trains one transformer-like model in six modes (fp32, bf16, flat, pertensor, mpfunc,
+autocast; see ``bench/_seed_model.py``) on every available device, and writes
+``seed.md``, ``seed.json`` and ``seed.png`` to ``--out``::
+
+    python -m bench.seed                      # default size, all devices
+    python -m bench.seed --preset original    # the report's 157M parameters
+    python -m bench.seed --smoke --out /tmp/s # seconds; what the tests run
+
+Protocol. Each (device, mode) runs in its own worker process, started once and kept alive
+while the parent drives it block by block over a pipe. A process of its own isolates the
+mode's memory (its peak cannot include another mode's tensors, allocator caches or XLA
+compilations) and its XLA graph cache and metrics; keeping it alive avoids paying imports,
+model building and XLA compilation again in every block, as a fresh process per block
+would. A device's workers start and warm up ``--jobs`` at a time (default: one per core);
+nothing is timed until all are ready, and the warm-up steps are excluded. Then, in each
+of ``--blocks`` blocks, every mode runs ``--steps`` steps in turn, starting from a
+different mode each block, while the others wait idle on their pipes. A mode's sample is
+its block's time divided by its steps, with the device synced at both ends, so XLA's
+asynchronous execution is counted in full. The step time is the median over blocks, and
+each ratio is the median over blocks of the per-block ratio, so a slow spell on a shared
+machine hits the modes of its block together and mostly cancels out. Devices run one
+after another. After the last block each worker reports its peak memory (see
+``bench/_seed_worker.py`` for how each device measures it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import select
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from bench import _seed_report
+from bench._seed_model import MODES, PRESETS, ModelConfig, count
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "results" / "seed"
+DEVICES = ("cpu", "xla", "cuda")
+# Per preset: warm-up steps, blocks, steps per block. Three warm-up steps cover XLA's two
+# compilations for torch.optim (its state is created lazily in the first step).
+SCHEDULES = {"default": (3, 10, 2), "original": (3, 10, 2), "smoke": (3, 2, 2)}
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class WorkerProcess:
+    """One ``bench._seed_worker`` process and its pipe."""
+
+    def __init__(self, device: str, mode: str, log: Path, timeout: float) -> None:
+        self.device, self.mode, self.timeout = device, mode, timeout
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 -- outlives __init__; closed in wait()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench._seed_worker", "--device", device, "--mode", mode],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self.init_failed = False
+
+    def send(self, msg: dict[str, Any]) -> None:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps(msg) + "\n")
+            stdin.flush()
+        except BrokenPipeError:
+            raise WorkerError(self._died("exited early")) from None
+
+    def recv(self) -> dict[str, Any]:
+        stdout = self.proc.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], self.timeout)
+        if not ready:
+            self.proc.kill()
+            raise WorkerError(self._died(f"no reply in {self.timeout:.0f} s"))
+        line = stdout.readline()
+        if not line:
+            raise WorkerError(self._died("exited early"))
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.pop("ok"):
+            self.init_failed = bool(reply.get("init_failed"))
+            raise WorkerError(str(reply.get("error")).strip().splitlines()[-1])
+        return reply
+
+    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.send(msg)
+        return self.recv()
+
+    def _died(self, what: str) -> str:
+        self.proc.wait(timeout=30)
+        tail = self.log_path.read_text().strip().splitlines()[-3:]
+        return f"worker {what} (exit {self.proc.returncode}): " + " | ".join(tail)
+
+    def close(self) -> None:
+        """Close the pipe; the worker exits at end of input. See also `wait`."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+    def wait(self) -> None:
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def machine_info() -> dict[str, Any]:
+    """What the tables need to say about the machine, without importing torch."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
+        if names:
+            info["cpu"] = names[0].strip()
+        with open("/proc/meminfo") as f:
+            kib = re.search(r"^MemTotal:\s+(\d+) kB", f.read(), re.MULTILINE)
+        if kib:
+            info["memory_gib"] = round(int(kib.group(1)) / 2**20, 1)
+    except OSError:
+        pass
+    for package in ("torch", "torch_xla", "mpfunc"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
+    return info
+
+
+def _available(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device == "xla":
+        # Whether it really imports and finds a device, the workers tell (init_failed).
+        return importlib.util.find_spec("torch_xla") is not None
+    import torch  # only here: the parent itself never touches a device
+
+    return bool(torch.cuda.is_available())
+
+
+class Progress:
+    """Progress lines on stderr, with the elapsed time."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream, self.t0 = stream, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.t0
+        self.stream.write(f"[seed {elapsed:6.1f}s] {text}\n")
+        self.stream.flush()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f}ms"
+
+
+class DeviceUnavailable(RuntimeError):
+    pass
+
+
+def run_device(
+    device: str,
+    modes: list[str],
+    cfg: ModelConfig,
+    args: argparse.Namespace,
+    logs: Path,
+    say: Progress,
+) -> dict[str, Any]:
+    """Set up, warm up and measure every mode on one device; return its results.
+
+    Raises DeviceUnavailable when no worker could even open the device.
+    """
+    results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}
+    workers: dict[str, WorkerProcess] = {}
+    live: list[str] = []
+    try:
+        # Set-up and warm-up (imports, model building, XLA compilation) are not measured, so
+        # they overlap, `--jobs` workers at a time: each worker resets its own peak-memory
+        # gauge after its own warm-up, and the blocks start only once every worker is ready.
+        say(f"{device}: setting up {len(modes)} modes, {args.jobs} at a time")
+        setup_msg = {
+            "cmd": "setup",
+            "config": dataclasses.asdict(cfg),
+            "warmup": args.warmup,
+            "torch_optim": args.torch_optim,
+            "seed": args.seed,
+        }
+        waiting = list(modes)
+        busy: dict[IO[str], str] = {}
+        while waiting or busy:
+            while waiting and len(busy) < args.jobs:
+                m = waiting.pop(0)
+                workers[m] = WorkerProcess(device, m, logs / f"{device}-{m}.log", args.timeout)
+                try:
+                    workers[m].send(setup_msg)
+                except WorkerError as e:
+                    results[m]["error"] = str(e)
+                    continue
+                stream = workers[m].proc.stdout
+                assert stream is not None
+                busy[stream] = m
+            ready, _, _ = select.select(list(busy), [], [], args.timeout)
+            if not ready:
+                raise SystemExit(f"seed: no worker on {device} set up in {args.timeout:.0f} s")
+            for stream in ready:
+                m = busy.pop(stream)
+                try:
+                    info = workers[m].recv()
+                except WorkerError as e:
+                    results[m]["error"] = str(e)
+                    say(f"{device}: {m} FAILED: {e}")
+                    continue
+                results[m]["setup"] = info
+                live.append(m)
+                say(
+                    f"{device}: {m} ready: built in {info['build_s']:.1f}s, warm-up steps "
+                    + ", ".join(_ms(s) for s in info["warmup_s"])
+                    + (f", compiles {info['warmup_compiles']}" if device == "xla" else "")
+                )
+        live = [m for m in modes if m in live]  # interleave in the order asked for
+        if not live and all(w.init_failed for w in workers.values()):
+            raise DeviceUnavailable(results[modes[0]]["error"])
+        for b in range(args.blocks):
+            order = [live[(b + i) % len(live)] for i in range(len(live))]
+            line = []
+            for m in order:
+                try:
+                    sample = workers[m].call({"cmd": "run", "steps": args.steps})
+                except WorkerError as e:
+                    results[m]["error"] = str(e)
+                    say(f"{device}: {m} FAILED: {e}")
+                    continue
+                sample["block"] = b
+                results[m]["samples"].append(sample)
+                line.append(f"{m} {_ms(sample['step_s'])}")
+            live = [m for m in live if "error" not in results[m]]
+            say(f"{device}: block {b + 1}/{args.blocks}: " + ", ".join(line))
+        for m in live:
+            try:
+                results[m]["memory"] = workers[m].call({"cmd": "finish"})
+            except WorkerError as e:
+                results[m]["error"] = str(e)
+    finally:
+        for w in workers.values():
+            w.close()  # all at once: they exit in parallel
+        for w in workers.values():
+            w.wait()
+    return {"modes": results, **_seed_report.summarize(device, modes, results)}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.seed",
+        description="Seed benchmark: step time and memory of fp32, bf16, flat, pertensor, "
+        "mpfunc and autocast training, modes interleaved, on every available device.",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (%(default)s)")
+    p.add_argument(
+        "--devices",
+        default="auto",
+        help="comma-separated among cpu,xla,cuda; 'auto' (default): cpu, xla when torch_xla "
+        "imports, cuda when available",
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated (%(default)s)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="default: 7.6M parameters, 0.1-0.3 s a step on 2 CPU cores; original: the "
+        "report's 156.7M parameters; smoke: tiny, for tests",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny and fast: --preset smoke")
+    size = p.add_argument_group("model size (overrides the preset)")
+    for field in ("d_model", "layers", "heads", "ffn", "vocab", "seq", "batch"):
+        size.add_argument("--" + field.replace("_", "-"), dest=field, type=int)
+    size.add_argument("--dropout", type=float)
+    sched = p.add_argument_group("schedule (default: per preset)")
+    sched.add_argument("--warmup", type=int, help="warm-up steps, excluded (3)")
+    sched.add_argument("--blocks", type=int, help="measured blocks (10; smoke 2)")
+    sched.add_argument("--steps", type=int, help="steps per mode per block (2)")
+    p.add_argument(
+        "--torch-optim",
+        choices=("default", "foreach", "fused"),
+        default="default",
+        help="torch.optim.AdamW implementation for the baselines (default: torch's choice; "
+        "fused needs cpu or cuda)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="workers set up and warmed up at once; measurement is always one at a time "
+        "(default: CPU count, %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per worker reply")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset = "smoke"
+    warmup, blocks, steps = SCHEDULES[args.preset]
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.blocks = blocks if args.blocks is None else args.blocks
+    args.steps = steps if args.steps is None else args.steps
+    if args.warmup < 0 or args.blocks < 1 or args.steps < 1 or args.jobs < 1:
+        p.error("need --warmup >= 0, --blocks >= 1, --steps >= 1 and --jobs >= 1")
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = sorted(set(args.mode_list) - set(MODES))
+    if bad or not args.mode_list:
+        p.error(f"--modes: unknown {', '.join(bad)}; choose among {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    say = Progress(sys.stderr)
+    preset = PRESETS[args.preset]
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if getattr(args, f.name) is not None
+    }
+    cfg = dataclasses.replace(preset, **overrides)
+    if cfg.d_model % cfg.heads:
+        raise SystemExit(f"seed: --d-model {cfg.d_model} is not a multiple of --heads {cfg.heads}")
+
+    auto = args.devices == "auto"
+    wanted = list(DEVICES) if auto else [d.strip() for d in args.devices.split(",") if d.strip()]
+    bad = sorted(set(wanted) - set(DEVICES))
+    if bad:
+        raise SystemExit(f"seed: --devices: unknown {', '.join(bad)}; choose among cpu,xla,cuda")
+    machine = machine_info()
+    devices = [d for d in wanted if _available(d)]
+    missing = [d for d in wanted if d not in devices]
+    if missing and not auto:
+        raise SystemExit(f"seed: requested device(s) not available: {', '.join(missing)}")
+
+    if args.preset == "smoke" and "XLA_FLAGS" not in os.environ:
+        # The smoke run checks that everything runs, not speed: compile XLA graphs unoptimized
+        # (about 3x faster to compile on 2 cores). The workers inherit it.
+        os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    out = args.out.resolve()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    params, tensors = count(cfg)
+    say(
+        f"model {params / 1e6:.1f}M parameters in {tensors} tensors; devices {', '.join(devices)};"
+        f" modes {', '.join(args.mode_list)}; {args.warmup} warm-up steps, then"
+        f" {args.blocks} blocks x {args.steps} steps"
+    )
+    result: dict[str, Any] = {
+        "benchmark": "seed",
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.seed"])
+        + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("PJRT_", "XLA_", "OMP_"))},
+        "preset": args.preset,
+        "config": dataclasses.asdict(cfg),
+        "parameters": params,
+        "tensors": tensors,
+        "schedule": {"warmup": args.warmup, "blocks": args.blocks, "steps": args.steps},
+        "torch_optim": args.torch_optim,
+        "seed": args.seed,
+        "devices": {},
+        "skipped": {d: "not available" for d in missing},
+    }
+    t0 = time.perf_counter()
+    for d in devices:
+        try:
+            result["devices"][d] = run_device(d, args.mode_list, cfg, args, logs, say)
+        except DeviceUnavailable as e:
+            if not auto:
+                raise SystemExit(f"seed: device {d} unusable: {e}") from None
+            say(f"{d}: skipped, unusable here: {e}")
+            result["skipped"][d] = str(e)
+    result["wall_s"] = time.perf_counter() - t0
+    result["targets"] = _seed_report.targets(result)
+
+    (out / "seed.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = _seed_report.markdown(result)
+    (out / "seed.md").write_text(table)
+    _seed_report.plot(result, out / "seed.png")
+    say(f"done in {result['wall_s']:.0f}s; wrote seed.md, seed.json, seed.png to {out}")
+    sys.stdout.write(table)
+    failed = [
+        f"{d}/{m}"
+        for d, dev in result["devices"].items()
+        for m, r in dev["modes"].items()
+        if "error" in r
+    ]
+    if failed:
+        say(f"FAILED modes: {', '.join(failed)} (see {logs})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
