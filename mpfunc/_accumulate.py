@@ -72,6 +72,7 @@ def _add_(acc: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         torch._foreach_add_([acc[i] for i in idx], [grads[i] for i in idx])
 
 
+@_tree.without_gc
 def accumulate_grads(acc: Any, grads: Any) -> Any:
     """Returns ``acc + grads`` in ``acc``'s precision (fp32); ``acc`` is not modified.
 
@@ -89,6 +90,7 @@ def accumulate_grads(acc: Any, grads: Any) -> Any:
     return _tree.unflatten(spec, out)
 
 
+@_tree.without_gc
 def accumulate_grads_(acc: Any, grads: Any) -> Any:
     """Adds ``grads`` (bf16/fp16/fp32) into the fp32 accumulator ``acc``, in place.
 

@@ -93,6 +93,7 @@ def _clone(tree: Any) -> Any:
     return _tree.map_tensors(torch.Tensor.clone, tree)
 
 
+@_tree.without_gc
 def apply_update(
     masters: Any, g32: Any, state: Any, opt: Optimizer, skip: torch.Tensor | None = None
 ) -> tuple[Any, Any]:
@@ -135,6 +136,7 @@ def apply_update(
     return new_masters, new_state
 
 
+@_tree.without_gc
 def apply_update_(
     masters: Any, g32: Any, state: Any, opt: Optimizer, skip: torch.Tensor | None = None
 ) -> tuple[Any, Any]:

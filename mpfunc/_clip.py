@@ -65,6 +65,7 @@ def _norm_and_coef(
     return total, groups, coef
 
 
+@_tree.without_gc
 def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, torch.Tensor]:
     """Scales all grads down together so that their global 2-norm is at most ``max_norm``.
 
@@ -102,6 +103,7 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
     return _tree.unflatten(spec, out), total
 
 
+@_tree.without_gc
 def clip_by_global_norm_(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, torch.Tensor]:
     """``clip_by_global_norm`` in place: the grads are scaled where they are.
 

@@ -11,6 +11,7 @@ from mpfunc import _grouping, _tree
 __all__ = ["all_finite"]
 
 
+@_tree.without_gc
 def all_finite(tree: Any) -> torch.Tensor:
     """Returns a 0-d bool tensor, on the tree's device, that is true iff no floating
     leaf holds an inf or a NaN. Nothing is read back to the host.

@@ -37,6 +37,31 @@ def _unscale_(fn: str, tensors: list[torch.Tensor], scale: object) -> None:
         torch._foreach_div_([tensors[i] for i in idx], value.to(device, non_blocking=True))
 
 
+@_tree.without_gc
+def _explain_out(fn: str, grads: Any, g_leaves: list[Any], out: Any, o_leaves: list[Any]) -> None:
+    """Raises the error for the first leaf at fault in ``grads_to_fp32_``'s inputs."""
+    _check_grads(fn, grads, g_leaves)
+    _tree.check_tensor_or_none(fn, "out", out, o_leaves)
+    for i, (g, o) in enumerate(zip(g_leaves, o_leaves)):
+        if g is None:
+            continue
+        where = _tree.leaf_path(out, i, "out")
+        if o is None:
+            _tree.fail(ValueError, fn, where, "a tensor to copy the grad into", "None")
+        if o.dtype not in _dtypes.MASTER_DTYPES:
+            _tree.fail(TypeError, fn, where, "a float32 or float64 tensor", _tree.describe(o))
+        if o.shape != g.shape:
+            _tree.fail(
+                ValueError, fn, where, f"shape {tuple(g.shape)} (the grad's)",
+                f"shape {tuple(o.shape)}",
+            )  # fmt: skip
+        if o.device != g.device:
+            _tree.fail(
+                ValueError, fn, where, f"device {g.device} (the grad's)", f"device {o.device}"
+            )
+
+
+@_tree.without_gc
 def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32, *, scale: ScaleArg = None) -> Any:
     """Returns a new tree with every grad cast to ``dtype`` (fp32 by default).
 
@@ -69,6 +94,7 @@ def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32, *, scale: Scal
     return _tree.unflatten(spec, out)
 
 
+@_tree.without_gc
 def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
     """Copies ``grads`` into the preallocated full-precision tree ``out``, in place.
 
@@ -98,46 +124,28 @@ def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
     g_leaves, g_spec = _tree.flatten(grads)
     o_leaves, o_spec = _tree.flatten(out)
     _tree.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
-    _check_grads(fn, grads, g_leaves)
-    _tree.check_tensor_or_none(fn, "out", out, o_leaves)
-    for i, (g, o) in enumerate(zip(g_leaves, o_leaves)):
+    # One pass for the common case; on any doubt, _explain_out names the culprit.
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    keys: list[tuple[object, ...] | None] = []
+    Tensor, masters_dtypes = torch.Tensor, _dtypes.MASTER_DTYPES
+    for g, o in zip(g_leaves, o_leaves):
         if g is None:
             continue
-        if o is None:
-            _tree.fail(
-                ValueError,
-                fn,
-                _tree.leaf_path(out, i, "out"),
-                "a tensor to copy the grad into",
-                "None",
-            )
-        if o.dtype not in _dtypes.MASTER_DTYPES:
-            _tree.fail(
-                TypeError,
-                fn,
-                _tree.leaf_path(out, i, "out"),
-                "a float32 or float64 tensor",
-                _tree.describe(o),
-            )
-        if o.shape != g.shape:
-            _tree.fail(
-                ValueError,
-                fn,
-                _tree.leaf_path(out, i, "out"),
-                f"shape {tuple(g.shape)} (the grad's)",
-                f"shape {tuple(o.shape)}",
-            )
-        if o.device != g.device:
-            _tree.fail(
-                ValueError,
-                fn,
-                _tree.leaf_path(out, i, "out"),
-                f"device {g.device} (the grad's)",
-                f"device {o.device}",
-            )
+        if not (
+            isinstance(g, Tensor)
+            and isinstance(o, Tensor)
+            and g.is_floating_point()
+            and o.dtype in masters_dtypes
+            and o.shape == g.shape
+            and o.device == g.device
+        ):
+            _explain_out(fn, grads, g_leaves, out, o_leaves)
+        dst.append(o)
+        src.append(g)
+        keys.append((o.device, o.dtype, g.dtype))
     divisor = _loss_scale.scale_value(fn, scale)  # checked before any write
-    pairs = [(o, g) for g, o in zip(g_leaves, o_leaves) if g is not None]
-    _grouping.copy_grouped_([o for o, _ in pairs], [g for _, g in pairs])
+    _grouping.copy_grouped_(dst, src, keys)
     with torch.no_grad():
-        _unscale_(fn, [o for o, _ in pairs], divisor)
+        _unscale_(fn, dst, divisor)
     return _tree.unflatten(g_spec, [None if g is None else o for g, o in zip(g_leaves, o_leaves)])

@@ -107,12 +107,18 @@ def chunks(
         yield run
 
 
-def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+def copy_grouped_(
+    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    keys: Sequence[tuple[object, ...] | None] | None = None,
+) -> None:
     """``dst[i].copy_(src[i])`` for all i, one foreach call per (device, dtype, dtype) group.
 
-    ``copy_`` rounds to nearest even exactly as ``Tensor.to`` does.
+    ``copy_`` rounds to nearest even exactly as ``Tensor.to`` does. ``keys`` may pass
+    the groups' (device, dst dtype, src dtype) when the caller already has them.
     """
-    keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
+    if keys is None:
+        keys = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     with torch.no_grad():
         for idx in group_indices(keys).values():
             torch._foreach_copy_([dst[i] for i in idx], [src[i] for i in idx])

@@ -55,6 +55,7 @@ def _check(fn: str, masters: Any, params: Any) -> tuple[list[Any], list[Any], An
     return m_leaves, p_leaves, p_spec
 
 
+@_tree.without_gc
 def masters_to_model(masters: Any, params: Any) -> Any:
     """Returns new parameters: each master rounded to its parameter's dtype.
 
@@ -82,6 +83,7 @@ def masters_to_model(masters: Any, params: Any) -> Any:
     return _tree.unflatten(spec, out)
 
 
+@_tree.without_gc
 def masters_to_model_(masters: Any, params: Any) -> Any:
     """Writes each master, rounded to its parameter's dtype, into the parameter itself.
 

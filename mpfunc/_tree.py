@@ -17,8 +17,11 @@ The rules, fixed in one place:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NoReturn
+import contextlib
+import functools
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar, cast
 
 import optree
 import torch
@@ -31,15 +34,50 @@ __all__ = [
     "fail",
     "first_difference",
     "flatten",
+    "gc_paused",
     "leaf_path",
     "map_tensors",
     "unflatten",
+    "without_gc",
 ]
 
 _NONE_IS_LEAF = True
 # mpfunc's own node types (loss-scale states) are registered in this namespace;
 # every flatten in mpfunc looks there too, so they are nodes, not opaque leaves.
 NAMESPACE = "mpfunc"
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector for one transform call.
+
+    A step over N leaves allocates a few small objects per leaf (shapes, tuples). With
+    thousands of leaves that crosses the collector's thresholds and triggers full
+    collections over every live object of the program: measured at 10,000 tensors,
+    they doubled ``apply_update_``'s time. Nothing a transform allocates forms a
+    cycle, so pausing is safe; the collector resumes as it was on exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def without_gc(fn: _F) -> _F:
+    """Runs every call of ``fn`` under ``gc_paused()``: for the per-step transforms."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 def map_tensors(fn: Any, tree: Any) -> Any:
