@@ -7,7 +7,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 py="$(bash scripts/env.sh)"
 bin="$(dirname "$py")"
-echo "== ruff"; "$bin/ruff" check mpfunc tests bench && "$bin/ruff" format --check mpfunc tests bench
+echo "== ruff"; "$bin/ruff" check mpfunc tests bench examples && "$bin/ruff" format --check mpfunc tests bench examples
 echo "== mypy"; "$bin/mypy"
 echo "== pytest"
 export PJRT_DEVICE=CPU MPFUNC_REQUIRE_XLA=1
