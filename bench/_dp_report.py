@@ -127,8 +127,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"mpfunc.adamw on fp32 masters; grads reduced in {result['reduce_dtype']}; "
         f"buckets of {result['bucket_bytes'] / MIB:g} MiB.",
         "Modes: `unsharded`: `mpfunc.all_reduce_grads` (bucketed) and full fp32 masters on "
-        "every rank; `sharded`: the same all-reduce, masters and AdamW state for the rank's "
-        "own leaves (`shard_plan`/`shard`), then `broadcast_params_`; `pertensor`: the "
+        "every rank; `sharded`: `mpfunc.reduce_grads_to_owners` (each bucket reduced to its "
+        "owner only), masters and AdamW state for the rank's own leaves "
+        "(`shard_plan`/`shard`), then `broadcast_params_`; `pertensor`: the "
         "baseline, one `torch.distributed.all_reduce` per grad tensor, full masters.",
         f"Protocol: each (ranks, mode) is its own gloo group of processes (file store, "
         f"127.0.0.1), kept alive; {sched['warmup']} warm-up steps excluded, then "
@@ -204,7 +205,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"step time over the same mode's with {first} rank{plural} (the global batch is "
         "fixed, so ideal scaling would divide the compute).",
         "Collectives/step: calls per step to torch.distributed's collectives, counted by "
-        "wrapping them inside every rank (AR: all_reduce, BC: broadcast); every rank makes "
+        "wrapping them inside every rank (AR: all_reduce, BC: broadcast, R: reduce); every "
+        "rank makes "
         "the same calls. Payload: bytes of the tensors one rank hands to those calls per "
         "step (a broadcast counts on every rank, root or not). Sent: bytes one rank wrote "
         "to its sockets per step, mean over ranks (growth of `wchar` in /proc/self/io: "
