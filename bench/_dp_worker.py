@@ -30,13 +30,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
-import os
 import re
 import resource
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -44,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mpfunc
+from bench._procs import serve
 from bench._seed_model import Model, ModelConfig
 
 MODES = ("unsharded", "sharded", "pertensor")
@@ -317,35 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
 
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-
-    def reply(obj: dict[str, Any]) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
-    worker = Rank(args.mode, args.rank, args.world, args.store)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "setup":
-                reply({"ok": True, **worker.setup(msg)})
-            elif msg["cmd"] == "run":
-                reply({"ok": True, **worker.run(msg["steps"])})
-            elif msg["cmd"] == "finish":
-                reply({"ok": True, **worker.finish()})
-                # No teardown: the group has nothing left to say, and the parent waits for
-                # every rank to exit.
-                sys.stderr.flush()
-                os._exit(0)
-            else:
-                raise ValueError(f"unknown command {msg['cmd']!r}")
-        except Exception:
-            traceback.print_exc()
-            reply({"ok": False, "error": traceback.format_exc()})
-            sys.stderr.flush()
-            os._exit(1)  # peers blocked in a collective fail at the group's timeout
-    return 0
+    # A failed step exits at once: peers blocked in a collective fail at the group's timeout.
+    return serve(
+        lambda: Rank(args.mode, args.rank, args.world, args.store), exit_hard_on_error=True
+    )
 
 
 if __name__ == "__main__":

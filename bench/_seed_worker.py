@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import resource
 import sys
 import time
-import traceback
 import warnings
 from typing import Any, Callable
 
 import torch
 
+from bench._procs import serve
 from bench._seed_model import ModelConfig, make_step
 
 
@@ -276,42 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", required=True)
     args = parser.parse_args(argv)
 
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-
-    def reply(obj: dict[str, Any]) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
-    worker: Worker | None = None
-    init_error: str | None = None
-    try:
-        worker = Worker(Device(args.device), args.mode)
-    except Exception:
-        init_error = traceback.format_exc()
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if worker is None:
-            reply({"ok": False, "init_failed": True, "error": init_error})
-            return 1
-        try:
-            if msg["cmd"] == "setup":
-                reply({"ok": True, **worker.setup(msg)})
-            elif msg["cmd"] == "run":
-                reply({"ok": True, **worker.run(msg["steps"])})
-            elif msg["cmd"] == "finish":
-                reply({"ok": True, **worker.finish()})
-                # Skip interpreter and runtime teardown (seconds for torch_xla): the parent
-                # waits for every worker to exit, and nothing here needs cleaning up.
-                sys.stderr.flush()
-                os._exit(0)
-            else:
-                raise ValueError(f"unknown command {msg['cmd']!r}")
-        except Exception:
-            traceback.print_exc()
-            reply({"ok": False, "error": traceback.format_exc()})
-            return 1
-    return 0
+    return serve(lambda: Worker(Device(args.device), args.mode), exit_hard_on_error=False)
 
 
 if __name__ == "__main__":

@@ -33,24 +33,21 @@ overhead, not speedup; the report says so.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import select
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from bench import _dp_report
+from bench._procs import REPO, PipeProcess, Progress, WorkerError, ms
 from bench._seed_model import ModelConfig, count
 from bench.seed import machine_info
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "dp_scaling"
 MODES = ("unsharded", "sharded", "pertensor")
 PRESETS = {
@@ -67,88 +64,14 @@ PRESETS = {
 SCHEDULES = {"default": (2, 8, 3), "smoke": (1, 2, 2)}
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
-class RankProcess:
+def rank_process(
+    mode: str, rank: int, world: int, store: Path, threads: int, log: Path, timeout: float
+) -> PipeProcess:
     """One ``bench._dp_worker`` process (one rank of one mode) and its pipe."""
-
-    def __init__(
-        self, mode: str, rank: int, world: int, store: Path, threads: int, log: Path, timeout: float
-    ) -> None:
-        self.mode, self.rank, self.timeout = mode, rank, timeout
-        self.log_path = log
-        self._log = open(log, "w")  # noqa: SIM115 -- outlives __init__; closed in wait()
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "bench._dp_worker", "--mode", mode, "--rank", str(rank)]
-        cmd += ["--world", str(world), "--store", str(store), "--threads", str(threads)]
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True,
-        )  # fmt: skip
-
-    def send(self, msg: dict[str, Any]) -> None:
-        stdin = self.proc.stdin
-        assert stdin is not None
-        try:
-            stdin.write(json.dumps(msg) + "\n")
-            stdin.flush()
-        except BrokenPipeError:
-            raise WorkerError(self._died("exited early")) from None
-
-    def recv(self) -> dict[str, Any]:
-        stdout = self.proc.stdout
-        assert stdout is not None
-        ready, _, _ = select.select([stdout], [], [], self.timeout)
-        if not ready:
-            self.proc.kill()
-            raise WorkerError(self._died(f"no reply in {self.timeout:.0f} s"))
-        line = stdout.readline()
-        if not line:
-            raise WorkerError(self._died("exited early"))
-        reply: dict[str, Any] = json.loads(line)
-        if not reply.pop("ok"):
-            raise WorkerError(f"rank {self.rank}: " + str(reply["error"]).strip().splitlines()[-1])
-        return reply
-
-    def _died(self, what: str) -> str:
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        tail = self.log_path.read_text().strip().splitlines()[-3:]
-        return f"rank {self.rank} {what} (exit {self.proc.returncode}): " + " | ".join(tail)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            with contextlib.suppress(BrokenPipeError):
-                self.proc.stdin.close()
-
-    def wait(self) -> None:
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-class Progress:
-    """Progress lines on stderr, with the elapsed time."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream, self.t0 = stream, time.perf_counter()
-
-    def __call__(self, text: str) -> None:
-        elapsed = time.perf_counter() - self.t0
-        self.stream.write(f"[dp_scaling {elapsed:6.1f}s] {text}\n")
-        self.stream.flush()
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f}ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f}ms"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "bench._dp_worker", "--mode", mode, "--rank", str(rank)]
+    cmd += ["--world", str(world), "--store", str(store), "--threads", str(threads)]
+    return PipeProcess(cmd, log, timeout, name=f"rank {rank}", env=env)
 
 
 def usable_cores() -> int:
@@ -165,7 +88,7 @@ def _loadavg() -> float | None:
         return None
 
 
-def _call_all(ranks: list[RankProcess], msg: dict[str, Any]) -> list[dict[str, Any]]:
+def _call_all(ranks: list[PipeProcess], msg: dict[str, Any]) -> list[dict[str, Any]]:
     """Sends ``msg`` to every rank of a mode at once (they act collectively), then waits
     for every reply; the first failure kills the mode's other ranks and raises."""
     try:
@@ -186,7 +109,7 @@ def run_world(
     """Set up, warm up and measure every mode with ``world`` ranks; return the results."""
     threads = args.threads or max(1, args.cores // world)
     results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}
-    procs: dict[str, list[RankProcess]] = {}
+    procs: dict[str, list[PipeProcess]] = {}
     live: list[str] = []
     try:
         say(f"{world} ranks x {threads} threads: starting {world * len(modes)} processes")
@@ -194,7 +117,7 @@ def run_world(
             store = logs / f"store-{world}-{m}"
             store.unlink(missing_ok=True)
             procs[m] = [
-                RankProcess(
+                rank_process(
                     m, r, world, store, threads, logs / f"{world}-{m}-rank{r}.log", args.timeout
                 )
                 for r in range(world)
@@ -232,7 +155,7 @@ def run_world(
             say(
                 f"{world} ranks: {m} ready: joined in {info['join_s']:.1f}s, built in "
                 f"{info['build_s']:.1f}s, warm-up steps "
-                + ", ".join(_ms(s) for s in info["warmup_s"])
+                + ", ".join(ms(s) for s in info["warmup_s"])
             )
         for b in range(args.blocks):
             order = [live[(b + i) % len(live)] for i in range(len(live))]
@@ -253,7 +176,7 @@ def run_world(
                     "ranks": replies,
                 }
                 results[m]["samples"].append(sample)
-                line.append(f"{m} {_ms(sample['block_step_s'])}")
+                line.append(f"{m} {ms(sample['block_step_s'])}")
             live = [m for m in live if "error" not in results[m]]
             say(f"{world} ranks: block {b + 1}/{args.blocks}: " + ", ".join(line))
         for m in live:
@@ -362,7 +285,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    say = Progress(sys.stderr)
+    say = Progress(sys.stderr, "dp_scaling")
     overrides = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(ModelConfig)

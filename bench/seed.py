@@ -38,16 +38,15 @@ import platform
 import re
 import select
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
 from bench import _seed_report
+from bench._procs import REPO, PipeProcess, Progress, WorkerError, ms
 from bench._seed_model import MODES, PRESETS, ModelConfig, count
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "seed"
 DEVICES = ("cpu", "xla", "cuda")
 # Per preset: warm-up steps, blocks, steps per block. Three warm-up steps cover XLA's two
@@ -55,73 +54,10 @@ DEVICES = ("cpu", "xla", "cuda")
 SCHEDULES = {"default": (3, 10, 2), "original": (3, 10, 2), "smoke": (3, 2, 2)}
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
-class WorkerProcess:
-    """One ``bench._seed_worker`` process and its pipe."""
-
-    def __init__(self, device: str, mode: str, log: Path, timeout: float) -> None:
-        self.device, self.mode, self.timeout = device, mode, timeout
-        self.log_path = log
-        self._log = open(log, "w")  # noqa: SIM115 -- outlives __init__; closed in wait()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench._seed_worker", "--device", device, "--mode", mode],
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        self.init_failed = False
-
-    def send(self, msg: dict[str, Any]) -> None:
-        stdin = self.proc.stdin
-        assert stdin is not None
-        try:
-            stdin.write(json.dumps(msg) + "\n")
-            stdin.flush()
-        except BrokenPipeError:
-            raise WorkerError(self._died("exited early")) from None
-
-    def recv(self) -> dict[str, Any]:
-        stdout = self.proc.stdout
-        assert stdout is not None
-        ready, _, _ = select.select([stdout], [], [], self.timeout)
-        if not ready:
-            self.proc.kill()
-            raise WorkerError(self._died(f"no reply in {self.timeout:.0f} s"))
-        line = stdout.readline()
-        if not line:
-            raise WorkerError(self._died("exited early"))
-        reply: dict[str, Any] = json.loads(line)
-        if not reply.pop("ok"):
-            self.init_failed = bool(reply.get("init_failed"))
-            raise WorkerError(str(reply.get("error")).strip().splitlines()[-1])
-        return reply
-
-    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.send(msg)
-        return self.recv()
-
-    def _died(self, what: str) -> str:
-        self.proc.wait(timeout=30)
-        tail = self.log_path.read_text().strip().splitlines()[-3:]
-        return f"worker {what} (exit {self.proc.returncode}): " + " | ".join(tail)
-
-    def close(self) -> None:
-        """Close the pipe; the worker exits at end of input. See also `wait`."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-
-    def wait(self) -> None:
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+def worker_process(device: str, mode: str, log: Path, timeout: float) -> PipeProcess:
+    """One ``bench._seed_worker`` process (one mode on one device) and its pipe."""
+    cmd = [sys.executable, "-m", "bench._seed_worker", "--device", device, "--mode", mode]
+    return PipeProcess(cmd, log, timeout)
 
 
 def machine_info() -> dict[str, Any]:
@@ -162,22 +98,6 @@ def _available(device: str) -> bool:
     return bool(torch.cuda.is_available())
 
 
-class Progress:
-    """Progress lines on stderr, with the elapsed time."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream, self.t0 = stream, time.perf_counter()
-
-    def __call__(self, text: str) -> None:
-        elapsed = time.perf_counter() - self.t0
-        self.stream.write(f"[seed {elapsed:6.1f}s] {text}\n")
-        self.stream.flush()
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f}ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f}ms"
-
-
 class DeviceUnavailable(RuntimeError):
     pass
 
@@ -195,7 +115,7 @@ def run_device(
     Raises DeviceUnavailable when no worker could even open the device.
     """
     results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}
-    workers: dict[str, WorkerProcess] = {}
+    workers: dict[str, PipeProcess] = {}
     live: list[str] = []
     try:
         # Set-up and warm-up (imports, model building, XLA compilation) are not measured, so
@@ -214,7 +134,7 @@ def run_device(
         while waiting or busy:
             while waiting and len(busy) < args.jobs:
                 m = waiting.pop(0)
-                workers[m] = WorkerProcess(device, m, logs / f"{device}-{m}.log", args.timeout)
+                workers[m] = worker_process(device, m, logs / f"{device}-{m}.log", args.timeout)
                 try:
                     workers[m].send(setup_msg)
                 except WorkerError as e:
@@ -238,7 +158,7 @@ def run_device(
                 live.append(m)
                 say(
                     f"{device}: {m} ready: built in {info['build_s']:.1f}s, warm-up steps "
-                    + ", ".join(_ms(s) for s in info["warmup_s"])
+                    + ", ".join(ms(s) for s in info["warmup_s"])
                     + (f", compiles {info['warmup_compiles']}" if device == "xla" else "")
                 )
         live = [m for m in modes if m in live]  # interleave in the order asked for
@@ -256,7 +176,7 @@ def run_device(
                     continue
                 sample["block"] = b
                 results[m]["samples"].append(sample)
-                line.append(f"{m} {_ms(sample['step_s'])}")
+                line.append(f"{m} {ms(sample['step_s'])}")
             live = [m for m in live if "error" not in results[m]]
             say(f"{device}: block {b + 1}/{args.blocks}: " + ", ".join(line))
         for m in live:
@@ -336,7 +256,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    say = Progress(sys.stderr)
+    say = Progress(sys.stderr, "seed")
     preset = PRESETS[args.preset]
     overrides = {
         f.name: getattr(args, f.name)
