@@ -10,7 +10,7 @@ so the number of collectives grows with bytes, not with the number of tensors.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,27 @@ def _reduce(
             for i, piece in zip(run, pieces):
                 out[i] = piece
     return out
+
+
+def _owned_runs(
+    leaves: Sequence[Any],
+    owners: Sequence[Any],
+    rank: int,
+    wire_dtype: torch.dtype | None,
+    bucket_bytes: int,
+) -> Iterator[tuple[list[int], torch.dtype]]:
+    """The buckets of ``rank``'s leaves, per (device, dtype) group, each with the dtype it
+    travels in (``wire_dtype``, else the leaves' own). Every rank computes the same list
+    for every owner, so the collectives line up."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (t, owner) in enumerate(zip(leaves, owners)):
+        if t is not None and owner == rank:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), idx in groups.items():
+        wire = wire_dtype or dtype
+        itemsize = torch.empty((), dtype=wire).element_size()
+        for run in _buckets(idx, leaves, itemsize, bucket_bytes):
+            yield run, wire
 
 
 def _pack(
@@ -282,23 +303,16 @@ def reduce_grads_to_owners(
     with torch.no_grad():
         for r in range(world):
             dst = r if group is None else dist.get_global_rank(group, r)
-            keys: dict[tuple[Any, ...], list[int]] = {}
-            for i, (g, owner) in enumerate(zip(leaves, p_leaves)):
-                if g is not None and owner == r:
-                    keys.setdefault((g.device, g.dtype), []).append(i)
-            for (_, dtype), idx in keys.items():
-                rdtype = reduce_dtype or dtype
-                size = torch.empty((), dtype=rdtype).element_size()
-                for run in _buckets(idx, leaves, size, bucket_bytes):
-                    flat, pieces = _pack(leaves, run, rdtype)
-                    if world > 1:
-                        dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group)
-                    if r != me:
-                        continue
-                    if op == "mean":
-                        flat.div_(world)
-                    for i, piece in zip(run, pieces):
-                        out[i] = piece
+            for run, wire in _owned_runs(leaves, p_leaves, r, reduce_dtype, bucket_bytes):
+                flat, pieces = _pack(leaves, run, wire)
+                if world > 1:
+                    dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group)
+                if r != me:
+                    continue
+                if op == "mean":
+                    flat.div_(world)
+                for i, piece in zip(run, pieces):
+                    out[i] = piece
     return _tree.unflatten(spec, out)
 
 
@@ -380,17 +394,11 @@ def broadcast_params_(
     with torch.no_grad():
         for r in range(world):
             src = r if group is None else dist.get_global_rank(group, r)
-            keys: dict[tuple[Any, ...], list[int]] = {}
-            for i, (t, owner) in enumerate(zip(leaves, p_leaves)):
-                if t is not None and owner == r:
-                    keys.setdefault((t.device, t.dtype), []).append(i)
-            for (_, dtype), idx in keys.items():
-                size = torch.empty((), dtype=dtype).element_size()
-                for run in _buckets(idx, leaves, size, bucket_bytes):
-                    flat, pieces = _pack(leaves, run, dtype)
-                    dist.broadcast(flat, src=src, group=group)
-                    for i, piece in zip(run, pieces):
-                        leaves[i].copy_(piece)
+            for run, wire in _owned_runs(leaves, p_leaves, r, None, bucket_bytes):
+                flat, pieces = _pack(leaves, run, wire)
+                dist.broadcast(flat, src=src, group=group)
+                for i, piece in zip(run, pieces):
+                    leaves[i].copy_(piece)
     return params
 
 
