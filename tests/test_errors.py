@@ -5,10 +5,8 @@ that builds the call (fresh tensors every time), the exception type, and a regex
 message must match. Where a leaf is at fault the regex pins the dotted pytree path, what
 was expected and what arrived. Every row also checks that each input tensor (masters,
 grads, params, state, out, lr) is bit-identical and has the same ``_version`` afterwards.
-
-Rows marked ``xfail(strict=True, raises=WrongMessage)`` raise the right exception and
-modify nothing, but their message misses part of what it must say; each names the
-library bug. Once the library is fixed they XPASS, which fails: then drop the mark.
+The shared machinery (trees from dotted paths, snapshots, ``check_row``) is in
+``error_table.py``.
 """
 
 from __future__ import annotations
@@ -17,10 +15,25 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
+from error_table import (
+    DROP,
+    Call,
+    assert_unchanged,
+    at,
+    call,
+    check_row,
+    desc,
+    nest,
+    new,
+    row,
+    same_structure,
+    snapshot,
+    tensors,
+)
 
 import mpfunc
 
@@ -38,30 +51,6 @@ LAYOUT: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 }
 BAD = "layers.1.weight"
 NO_MASTER = "norm.num_batches"
-DROP = object()  # a change that removes the leaf
-
-
-class WrongMessage(AssertionError):
-    """The right exception arrived, but its message misses the path, expected or got."""
-
-
-class Call(NamedTuple):
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Call:
-    return Call(fn, args, kwargs)
-
-
-def new(
-    shape: tuple[int, ...] = (1, 3), dtype: torch.dtype = torch.float32, device: str = "cpu"
-) -> Callable[[], torch.Tensor]:
-    """A bad leaf, made when the row runs (rows are built at collection)."""
-    return lambda: torch.zeros(shape, dtype=dtype, device=device)
-
-
 # --- trees -----------------------------------------------------------------------------
 
 
@@ -87,93 +76,11 @@ def _flat(kind: str) -> dict[str, Any]:
     return flat
 
 
-def _nest(flat: dict[str, Any], changes: dict[str, Any] | None = None) -> Any:
-    """``{"layers.0.weight": w}`` -> ``{"layers": [{"weight": w}]}``; digit keys make lists.
-
-    ``changes`` replace leaves (a callable is called, so each row gets fresh tensors),
-    add new paths, or remove them with ``DROP``.
-    """
-    flat = dict(flat)
-    for path, value in (changes or {}).items():
-        if value is DROP:
-            del flat[path]
-        else:
-            flat[path] = value() if callable(value) else value
-    root: dict[str, Any] = {}
-    for path, leaf in flat.items():
-        *parents, last = path.split(".")
-        node = root
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-    return _listify(root)
-
-
-def _listify(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    items = {k: _listify(v) for k, v in node.items()}
-    if all(k.isdigit() for k in items):
-        return [items[str(i)] for i in range(len(items))]
-    return items
-
-
 def _tree(kind: str, changes: dict[str, Any] | None = None) -> Any:
-    return _nest(_flat(kind), changes)
-
-
-# --- snapshots -------------------------------------------------------------------------
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``obj``, a torch.optim optimizer's params and state too."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, torch.optim.Optimizer):
-        yield from _tensors(obj.param_groups)
-        yield from _tensors(list(obj.state.values()))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-Snapshot = list[tuple[torch.Tensor, torch.Tensor, int]]
-
-
-def _snapshot(obj: Any) -> Snapshot:
-    return [(t, t.detach().clone(), t._version) for t in _tensors(obj)]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _assert_unchanged(snapshot: Snapshot) -> None:
-    for t, before, version in snapshot:
-        assert t._version == version, f"a {tuple(t.shape)} input was written in place"
-        assert (t.shape, t.dtype, t.device) == (before.shape, before.dtype, before.device)
-        if t.device.type != "meta":  # meta tensors have no values to compare
-            assert torch.equal(_bits(t), _bits(before)), f"a {tuple(t.shape)} input changed"
+    return nest(_flat(kind), changes)
 
 
 # --- rows ------------------------------------------------------------------------------
-
-
-def at(fn: str, path: str, expected: str, got: str) -> str:
-    """The regex for mpfunc's message about one leaf; the arguments are literal text."""
-    return "^" + re.escape(f"{fn}: at {path!r}: expected {expected}, got {got}")
-
-
-def desc(dtype: torch.dtype, shape: tuple[int, ...] = (1, 3)) -> str:
-    """How mpfunc describes a tensor that arrived."""
-    return f"{dtype} tensor of shape {shape} on cpu"
-
-
-def row(id: str, make: Callable[[], Call], exc: type[Exception], regex: str, *marks: Any) -> Any:
-    return pytest.param(make, exc, regex, id=id, marks=marks)
 
 
 F32 = torch.float32
@@ -182,16 +89,6 @@ MASTER_SHAPE = "shape (1, 3) (the master's)"
 MASTER_DTYPE = "torch.float32 (the master's dtype)"
 STATE_MOMENT = "torch.float32 of shape (1, 3) (the master's)"
 NO_MASTER_GRAD = "None (this leaf has no master: init_master gives none to non-floating params)"
-
-
-def same_structure(fn: str, a: str, b: str, path: str, in_a: bool) -> str:
-    """The regex for a structure mismatch that names the first differing path."""
-    first, second = (a, b) if in_a else (b, a)
-    return (
-        rf"^{fn}: {a} and {b} must have the same tree structure: {re.escape(repr(path))} "
-        rf"is in (the )?{first} but not in (the )?{second}; "
-        r"expected PyTreeSpec\(.*\), got PyTreeSpec\("
-    )
 
 
 OPTIMIZERS: dict[str, Callable[[], mpfunc.Optimizer]] = {
@@ -217,8 +114,8 @@ def update_call(
     ``opt.init`` over the unchanged masters, whose tensors the passed masters share."""
     o = OPTIMIZERS[opt]() if isinstance(opt, str) else opt()
     flat = _flat("masters")
-    s = o.init(_nest(flat)) if state is None else state(o)
-    return call(UPDATES[fn], _nest(flat, masters), _tree("g32", g32), s, o)
+    s = o.init(nest(flat)) if state is None else state(o)
+    return call(UPDATES[fn], nest(flat, masters), _tree("g32", g32), s, o)
 
 
 def init_from(
@@ -524,14 +421,7 @@ ROWS = [*_update_rows(), *_transform_rows(), *_factory_rows()]
 def test_bad_input_raises_and_modifies_nothing(
     make: Callable[[], Call], exc: type[Exception], regex: str
 ) -> None:
-    fn, args, kwargs = make()
-    before = _snapshot((args, kwargs))
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    _assert_unchanged(before)
-    message = str(info.value)
-    if not re.search(regex, message):
-        raise WrongMessage(f"{message!r}\ndoes not match\n{regex!r}")
+    check_row(make, exc, regex)
 
 
 def test_row_ids_are_unique() -> None:
@@ -554,14 +444,14 @@ def _big(kind: str, changes: dict[str, Any] | None = None) -> Any:
         for leaf, shape in (("weight", (4, 3)), ("bias", (4,))):
             x = torch.randn(shape, generator=gen).to(BF16).to(dtype)
             flat[f"blocks.{i}.{leaf}"] = torch.zeros(shape) if kind == "moments" else x
-    return _nest(flat, changes)
+    return nest(flat, changes)
 
 
 def _assert_raises_and_writes_nothing(fn: Callable[..., Any], *args: Any, path: str) -> None:
-    before = _snapshot(args)
+    before = snapshot(args)
     with pytest.raises((TypeError, ValueError)) as info:
         fn(*args)
-    _assert_unchanged(before)
+    assert_unchanged(before)
     assert path in str(info.value)
 
 
@@ -590,10 +480,10 @@ def test_apply_update_fused_without_kernel_on_last_leaf_writes_nothing(
     m = _big("masters", {LAST: new((4, 3), device="meta")})
     g = _big("g32", {LAST: new((4, 3), device="meta")})
     state = o.init(m)
-    before = _snapshot((m, g, state))
+    before = snapshot((m, g, state))
     with pytest.raises(ValueError, match="fused"):
         mpfunc.apply_update_(m, g, state, o)
-    _assert_unchanged(before)
+    assert_unchanged(before)
 
 
 @pytest.mark.parametrize(
@@ -620,7 +510,7 @@ def test_grads_to_fp32_bad_last_out_writes_nothing(out: dict[str, Any]) -> None:
 def test_masters_to_model_bad_last_param_writes_nothing(params: dict[str, Any]) -> None:
     # Masters one step away from the params, so a single early write would show.
     masters = _big("masters")
-    for t in _tensors(masters):
+    for t in tensors(masters):
         t.add_(1)
     _assert_raises_and_writes_nothing(
         mpfunc.masters_to_model_, masters, _big("params", params), path=f"params.{LAST}"

@@ -14,10 +14,24 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
+from error_table import (
+    DROP,
+    Call,
+    assert_unchanged,
+    at,
+    call,
+    check_row,
+    desc,
+    nest,
+    new,
+    row,
+    same_structure,
+    snapshot,
+)
 
 import mpfunc
 
@@ -34,28 +48,6 @@ LAYOUT: dict[str, tuple[int, ...]] = {
     "norm.weight": (1,),
 }
 BAD = "layers.1.weight"
-DROP = object()  # a change that removes the leaf
-
-
-class WrongMessage(AssertionError):
-    """The right exception arrived, but its message misses the path, expected or got."""
-
-
-class Call(NamedTuple):
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Call:
-    return Call(fn, args, kwargs)
-
-
-def new(
-    shape: tuple[int, ...] = (1, 3), dtype: torch.dtype = F32, device: str = "cpu"
-) -> Callable[[], torch.Tensor]:
-    """A bad leaf, made when the row runs (rows are built at collection)."""
-    return lambda: torch.zeros(shape, dtype=dtype, device=device)
 
 
 def tree(dtype: torch.dtype = F32, changes: dict[str, Any] | None = None, seed: int = 0) -> Any:
@@ -63,97 +55,10 @@ def tree(dtype: torch.dtype = F32, changes: dict[str, Any] | None = None, seed: 
     ``changes`` replace leaves (callables are called), add paths, or remove them (DROP)."""
     gen = torch.Generator().manual_seed(seed)
     flat: dict[str, Any] = {p: torch.randn(s, generator=gen).to(dtype) for p, s in LAYOUT.items()}
-    for path, value in (changes or {}).items():
-        if value is DROP:
-            del flat[path]
-        else:
-            flat[path] = value() if callable(value) else value
-    root: dict[str, Any] = {}
-    for path, leaf in flat.items():
-        *parents, last = path.split(".")
-        node = root
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-    return _listify(root)
-
-
-def _listify(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    items = {k: _listify(v) for k, v in node.items()}
-    if all(k.isdigit() for k in items):
-        return [items[str(i)] for i in range(len(items))]
-    return items
-
-
-# --- snapshots ---------------------------------------------------------------------------
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``obj``: containers, torch.optim optimizers and
-    mpfunc's loss-scale states."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, torch.optim.Optimizer):
-        yield from _tensors(obj.param_groups)
-        yield from _tensors(list(obj.state.values()))
-    elif isinstance(obj, (mpfunc.StaticLossScale, mpfunc.DynamicLossScale)):
-        yield obj.loss_scale
-        if isinstance(obj, mpfunc.DynamicLossScale):
-            yield obj.counter
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-Snapshot = list[tuple[torch.Tensor, torch.Tensor, int]]
-
-
-def _snapshot(obj: Any) -> Snapshot:
-    return [(t, t.detach().clone(), t._version) for t in _tensors(obj)]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _assert_unchanged(snapshot: Snapshot) -> None:
-    for t, before, version in snapshot:
-        assert t._version == version, f"a {tuple(t.shape)} input was written in place"
-        assert (t.shape, t.dtype, t.device) == (before.shape, before.dtype, before.device)
-        if t.device.type != "meta":  # meta tensors have no values to compare
-            assert torch.equal(_bits(t), _bits(before)), f"a {tuple(t.shape)} input changed"
+    return nest(flat, changes)
 
 
 # --- rows --------------------------------------------------------------------------------
-
-
-def at(fn: str, path: str, expected: str, got: str) -> str:
-    """The regex for mpfunc's message about one leaf; the arguments are literal text."""
-    return "^" + re.escape(f"{fn}: at {path!r}: expected {expected}, got {got}")
-
-
-def desc(dtype: torch.dtype, shape: tuple[int, ...] = (1, 3), device: str = "cpu") -> str:
-    """How mpfunc describes a tensor that arrived."""
-    return f"{dtype} tensor of shape {shape} on {device}"
-
-
-def same_structure(fn: str, a: str, b: str, path: str, in_a: bool) -> str:
-    """The regex for a structure mismatch that names the first differing path."""
-    first, second = (a, b) if in_a else (b, a)
-    return (
-        rf"^{re.escape(fn)}: {a} and {b} must have the same tree structure: "
-        rf"{re.escape(repr(path))} is in {first} but not in {second}; "
-        r"expected PyTreeSpec\(.*\), got PyTreeSpec\("
-    )
-
-
-def row(id: str, make: Callable[[], Call], exc: type[Exception], regex: str, *marks: Any) -> Any:
-    return pytest.param(make, exc, regex, id=id, marks=[m for m in marks if m is not None])
 
 
 def _clip_rows() -> Iterator[Any]:
@@ -296,21 +201,7 @@ def _labels(changes: dict[str, Any] | None = None) -> Any:
     """The label tree: no_decay for biases and norms, decay for weights."""
     flat = {p: "no_decay" if p.endswith("bias") or p.startswith("norm") else "decay"
             for p in LAYOUT}  # fmt: skip
-    flat.update(changes or {})
-    for path in [p for p, v in flat.items() if v is DROP]:
-        del flat[path]
-    return _listify_flat(flat)
-
-
-def _listify_flat(flat: dict[str, Any]) -> Any:
-    root: dict[str, Any] = {}
-    for path, leaf in flat.items():
-        *parents, last = path.split(".")
-        node = root
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-    return _listify(root)
+    return nest(flat, changes)
 
 
 def _optimizers(changes: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -478,14 +369,7 @@ ROWS = [*_clip_rows(), *_scale_rows(), *_partition_rows(), *_skip_rows(), *_accu
 def test_bad_input_raises_and_modifies_nothing(
     make: Callable[[], Call], exc: type[Exception], regex: str
 ) -> None:
-    fn, args, kwargs = make()
-    before = _snapshot((args, kwargs))
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    _assert_unchanged(before)
-    message = str(info.value)
-    if not re.search(regex, message):
-        raise WrongMessage(f"{message!r}\ndoes not match\n{regex!r}")
+    check_row(make, exc, regex)
 
 
 def test_row_ids_are_unique() -> None:
@@ -500,18 +384,18 @@ def test_accumulate_bad_last_grad_writes_nothing() -> None:
     # norm.weight is optree's last leaf: a bad shape there must stop the earlier adds too.
     acc = tree(F32)
     grads = tree(BF16, {"norm.weight": new((2,), BF16)}, seed=1)
-    before = _snapshot((acc, grads))
+    before = snapshot((acc, grads))
     with pytest.raises(ValueError, match=r"'acc\.norm\.weight'"):
         mpfunc.accumulate_grads_(acc, grads)
-    _assert_unchanged(before)
+    assert_unchanged(before)
 
 
 def test_clip_bad_last_grad_writes_nothing() -> None:
     grads = tree(F32, {"norm.weight": new((1,), I64)})
-    before = _snapshot(grads)
+    before = snapshot(grads)
     with pytest.raises(TypeError, match=r"'grads\.norm\.weight'"):
         mpfunc.clip_by_global_norm_(grads, 1e-3)
-    _assert_unchanged(before)
+    assert_unchanged(before)
 
 
 def test_partition_bad_last_label_writes_nothing() -> None:
@@ -519,7 +403,7 @@ def test_partition_bad_last_label_writes_nothing() -> None:
     state = mpfunc.partition(_optimizers(), _labels()).init(masters)
     opt = mpfunc.partition(_optimizers(), _labels({"norm.weight": "bias"}))
     grads = tree(F32, seed=1)
-    before = _snapshot((masters, grads, state))
+    before = snapshot((masters, grads, state))
     with pytest.raises(ValueError, match=r"'labels\.norm\.weight'"):
         mpfunc.apply_update_(masters, grads, state, opt)
-    _assert_unchanged(before)
+    assert_unchanged(before)
