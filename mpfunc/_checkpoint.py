@@ -31,11 +31,12 @@ def _keyed_leaves(fn: str, tree: Any) -> tuple[list[str | None], list[Any], Any]
     _tree.check_tensor_or_none(fn, "", tree, leaves)
     keys: list[str | None] = []
     seen: dict[str, int] = {}
+    paths = _tree.leaf_paths(tree)
     for i, leaf in enumerate(leaves):
         if leaf is None:
             keys.append(None)
             continue
-        key = _tree.leaf_path(tree, i)
+        key = paths[i]
         if key in seen:
             raise ValueError(
                 f"{fn}: two leaves have the same key {key!r} (a dict key containing '.' "

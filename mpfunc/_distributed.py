@@ -339,9 +339,10 @@ def shard_plan(params: Any, world_size: int) -> Any:
         raise ValueError(f"{fn}: world_size: expected an int >= 1, got {world_size!r}")
     leaves, spec = _tree.flatten(params)
     _tree.check_tensor_or_none(fn, "params", params, leaves)
+    paths = _tree.leaf_paths(params)
     order = sorted(
         (i for i, t in enumerate(leaves) if t is not None),
-        key=lambda i: (-leaves[i].numel() * leaves[i].element_size(), _tree.leaf_path(params, i)),
+        key=lambda i: (-leaves[i].numel() * leaves[i].element_size(), paths[i]),
     )
     load = [0] * world_size
     owner: list[int | None] = [None] * len(leaves)
@@ -405,9 +406,10 @@ def broadcast_params_(
 def _fingerprint(tree: Any) -> tuple[torch.Tensor, list[str]]:
     leaves, spec = _tree.flatten(tree)
     lines = [str(spec)]
+    paths = _tree.leaf_paths(tree)
     for i, t in enumerate(leaves):
         desc = "None" if t is None else f"{tuple(t.shape)} {t.dtype}"
-        lines.append(f"{_tree.leaf_path(tree, i)}: {desc}")
+        lines.append(f"{paths[i]}: {desc}")
     digest = hashlib.sha256("\n".join(lines).encode()).digest()
     words = [int.from_bytes(digest[k : k + 7], "little") for k in range(0, 28, 7)]
     return torch.tensor(words, dtype=torch.int64), lines

@@ -66,9 +66,9 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         if callable(labels) and m_spec in cache:
             return cache[m_spec]
         if callable(labels):
+            paths = _tree.leaf_paths(masters)
             out: list[str | None] = [
-                None if m is None else labels(_tree.leaf_path(masters, i), m)
-                for i, m in enumerate(m_leaves)
+                None if m is None else labels(paths[i], m) for i, m in enumerate(m_leaves)
             ]
             tree, prefix = masters, "masters"
         else:

@@ -36,6 +36,7 @@ __all__ = [
     "flatten",
     "gc_paused",
     "leaf_path",
+    "leaf_paths",
     "map_tensors",
     "unflatten",
     "without_gc",
@@ -122,13 +123,21 @@ def format_path(path: Sequence[Any]) -> str:
     return ".".join(_format_key(k) for k in path) if path else "<root>"
 
 
+def leaf_paths(tree: Any, prefix: str = "") -> list[str]:
+    """The dotted path of every leaf of ``tree``, in flatten order, in one walk."""
+    out = []
+    for p in _paths(tree):
+        path = format_path(p)
+        if prefix:
+            path = prefix if path == "<root>" else f"{prefix}.{path}"
+        out.append(path)
+    return out
+
+
 def leaf_path(tree: Any, index: int, prefix: str = "") -> str:
-    """The dotted path of the ``index``-th leaf of ``tree``, for error messages."""
-    paths = _paths(tree)
-    path = format_path(paths[index])
-    if prefix:
-        return prefix if path == "<root>" else f"{prefix}.{path}"
-    return path
+    """The dotted path of the ``index``-th leaf of ``tree``, for error messages (it walks the
+    whole tree: for many leaves, take ``leaf_paths`` once)."""
+    return leaf_paths(tree, prefix)[index]
 
 
 def describe(x: Any) -> str:
