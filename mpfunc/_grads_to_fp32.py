@@ -26,9 +26,8 @@ def _check_grads(fn: str, grads: Any, leaves: list[Any]) -> None:
             )
 
 
-def _unscale_(fn: str, tensors: list[torch.Tensor], scale: object) -> None:
-    """Divides the fp32 grads by the loss scale, one foreach call per device."""
-    value = _loss_scale.scale_value(fn, scale)
+def _unscale_(tensors: list[torch.Tensor], value: torch.Tensor | None) -> None:
+    """Divides the fp32 grads by the loss scale (if any), one foreach call per device."""
     if value is None:
         return
     keys: list[tuple[object, ...] | None] = [(t.device,) for t in tensors]
@@ -86,11 +85,12 @@ def grads_to_fp32(grads: Any, dtype: torch.dtype = torch.float32, *, scale: Scal
     """
     fn = "grads_to_fp32"
     dtype = _dtypes.check_master_dtype(fn, dtype)
+    divisor = _loss_scale.scale_value(fn, scale)
     leaves, spec = _tree.flatten(grads)
     _check_grads(fn, grads, leaves)
     with torch.no_grad():
         out = [None if g is None else g.detach().to(dtype=dtype, copy=True) for g in leaves]
-        _unscale_(fn, [t for t in out if t is not None], scale)
+        _unscale_([t for t in out if t is not None], divisor)
     return _tree.unflatten(spec, out)
 
 
@@ -147,5 +147,5 @@ def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
     divisor = _loss_scale.scale_value(fn, scale)  # checked before any write
     _grouping.copy_grouped_(dst, src, keys)
     with torch.no_grad():
-        _unscale_(fn, dst, divisor)
+        _unscale_(dst, divisor)
     return _tree.unflatten(g_spec, [None if g is None else o for g, o in zip(g_leaves, o_leaves)])
