@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> float:
             print(f"step {step:4d} loss {float(loss):.4f}", flush=True)
 
     owned = sum(t.numel() for t in mpfunc.state_dict({"m": masters, "s": state}).values())
-    print(f"rank {rank}: {owned} master+state elements", flush=True)
+    per_rank = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(per_rank, torch.tensor(owned))  # one line from rank 0, not interleaved prints
+    if rank == 0:
+        counts = " ".join(str(int(n)) for n in per_rank)
+        print(f"master+state elements per rank: {counts}", flush=True)
     dist.destroy_process_group()
     return float(loss)
 

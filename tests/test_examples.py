@@ -63,11 +63,8 @@ def test_data_parallel_under_torchrun(tmp_path: pathlib.Path) -> None:
             float(line.split("loss ")[1]) for line in run.stdout.splitlines() if "loss" in line
         ]
         assert losses[-1] < losses[0], run.stdout
-        owned = [
-            int(line.split(": ")[1].split()[0])
-            for line in run.stdout.splitlines()
-            if "master+state" in line
-        ]
+        (summary,) = [ln for ln in run.stdout.splitlines() if "master+state" in ln]
+        owned = [int(n) for n in summary.split(": ")[1].split()]
         assert len(owned) == 2
         if not extra:  # sharded: the ranks split the masters and state between them
             assert max(owned) < 0.75 * sum(owned)
