@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _dtypes, _grouping, _tree
+from mpfunc import _checks, _dtypes, _grouping, _tree
 
 __all__ = ["accumulate_grads", "accumulate_grads_", "init_grads"]
 
@@ -23,7 +23,7 @@ def init_grads(params: Any, dtype: torch.dtype = torch.float32) -> Any:
     fn = "init_grads"
     dtype = _dtypes.check_master_dtype(fn, dtype)
     leaves, spec = _tree.flatten(params)
-    _tree.check_tensor_or_none(fn, "params", params, leaves)
+    _checks.check_tensor_or_none(fn, "params", params, leaves)
     return _tree.unflatten(
         spec,
         [
@@ -38,26 +38,26 @@ def init_grads(params: Any, dtype: torch.dtype = torch.float32) -> Any:
 def _check(fn: str, acc: Any, grads: Any) -> tuple[list[Any], list[Any], Any]:
     a_leaves, a_spec = _tree.flatten(acc)
     g_leaves, g_spec = _tree.flatten(grads)
-    _tree.check_same_structure(fn, "acc", acc, a_spec, "grads", grads, g_spec)
-    _tree.check_tensor_or_none(fn, "acc", acc, a_leaves)
-    _tree.check_tensor_or_none(fn, "grads", grads, g_leaves)
+    _checks.check_same_structure(fn, "acc", acc, a_spec, "grads", grads, g_spec)
+    _checks.check_tensor_or_none(fn, "acc", acc, a_leaves)
+    _checks.check_tensor_or_none(fn, "grads", grads, g_leaves)
     for i, (a, g) in enumerate(zip(a_leaves, g_leaves)):
         if g is None:
             continue
         if not g.is_floating_point():
-            _tree.fail(
+            _checks.fail(
                 TypeError, fn, _tree.leaf_path(grads, i, "grads"), "a floating-point grad",
-                _tree.describe(g),
+                _checks.describe(g),
             )  # fmt: skip
         if a is None or a.dtype not in _dtypes.MASTER_DTYPES:
-            _tree.fail(
+            _checks.fail(
                 TypeError, fn, _tree.leaf_path(acc, i, "acc"), "a float32 or float64 tensor",
-                _tree.describe(a),
+                _checks.describe(a),
             )  # fmt: skip
         if a.shape != g.shape or a.device != g.device:
-            _tree.fail(
+            _checks.fail(
                 ValueError, fn, _tree.leaf_path(acc, i, "acc"),
-                f"shape {tuple(g.shape)} on {g.device} (the grad's)", _tree.describe(a),
+                f"shape {tuple(g.shape)} on {g.device} (the grad's)", _checks.describe(a),
             )  # fmt: skip
     return a_leaves, g_leaves, a_spec
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _grouping, _optimizer, _tree
+from mpfunc import _checks, _grouping, _optimizer, _tree
 from mpfunc._optimizer import LR, LRArg, Optimizer, StepInput, pick
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -169,7 +169,7 @@ _KERNELS = {"reference": _reference, "foreach": _foreach}
 def _make(fn: str, h: _Hyper) -> Optimizer:
     def init(masters: Any) -> AdamState:
         leaves, _ = _tree.flatten(masters)
-        _tree.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
+        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
         zeros = _optimizer.zeros_like_masters
         return AdamState(
             step=_optimizer.steps_like_masters(masters),

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _dtypes, _tree
+from mpfunc import _checks, _dtypes, _tree
 from mpfunc._optimizer import Optimizer, StepInput, signature
 
 __all__ = ["apply_update", "apply_update_"]
@@ -18,7 +18,7 @@ def _check_skip(fn: str, skip: object) -> torch.Tensor | None:
     if not isinstance(skip, torch.Tensor) or skip.ndim != 0 or skip.dtype != torch.bool:
         raise TypeError(
             f"{fn}: skip: expected None or a 0-d bool tensor (e.g. ~mpfunc.all_finite(g32)), "
-            f"got {_tree.describe(skip)}"
+            f"got {_checks.describe(skip)}"
         )
     return skip
 
@@ -29,11 +29,11 @@ def _check(fn: str, masters: Any, g32: Any, opt: object, skip: object) -> StepIn
     if not isinstance(opt, Optimizer):
         raise TypeError(
             f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/torch_optimizer), "
-            f"got {_tree.describe(opt)}"
+            f"got {_checks.describe(opt)}"
         )
     m_leaves, m_spec = _tree.flatten(masters)
     g_leaves, g_spec = _tree.flatten(g32)
-    _tree.check_same_structure(fn, "masters", masters, m_spec, "grads", g32, g_spec)
+    _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", g32, g_spec)
     m_sig = [signature(m) for m in m_leaves]
     # The common case in one pass over signatures; the loop below only names the culprit.
     ok = all(
@@ -53,37 +53,37 @@ def _check(fn: str, masters: Any, g32: Any, opt: object, skip: object) -> StepIn
 
 def _explain(fn: str, masters: Any, g32: Any, m_leaves: list[Any], g_leaves: list[Any]) -> None:
     """Raises the error for the first leaf at fault."""
-    _tree.check_tensor_or_none(fn, "masters", masters, m_leaves)
-    _tree.check_tensor_or_none(fn, "grads", g32, g_leaves)
+    _checks.check_tensor_or_none(fn, "masters", masters, m_leaves)
+    _checks.check_tensor_or_none(fn, "grads", g32, g_leaves)
     path = _tree.leaf_path
     for i, (m, g) in enumerate(zip(m_leaves, g_leaves)):
         if m is None:
             if g is not None:
-                _tree.fail(
+                _checks.fail(
                     ValueError, fn, path(g32, i, "grads"),
                     "None (this leaf has no master: init_master gives none to non-floating "
-                    "params)", _tree.describe(g),
+                    "params)", _checks.describe(g),
                 )  # fmt: skip
             continue
         if m.dtype not in _dtypes.MASTER_DTYPES:
-            _tree.fail(
+            _checks.fail(
                 TypeError, fn, path(masters, i, "masters"), "a float32 or float64 master",
-                _tree.describe(m),
+                _checks.describe(m),
             )  # fmt: skip
         if g is None:
             continue
         if g.dtype != m.dtype:
-            _tree.fail(
+            _checks.fail(
                 TypeError, fn, path(g32, i, "grads"), f"{m.dtype} (the master's dtype)",
-                _tree.describe(g), "Cast grads with grads_to_fp32 first.",
+                _checks.describe(g), "Cast grads with grads_to_fp32 first.",
             )  # fmt: skip
         if g.shape != m.shape:
-            _tree.fail(
+            _checks.fail(
                 ValueError, fn, path(g32, i, "grads"), f"shape {tuple(m.shape)} (the master's)",
                 f"shape {tuple(g.shape)}",
             )  # fmt: skip
         if g.device != m.device:
-            _tree.fail(
+            _checks.fail(
                 ValueError, fn, path(g32, i, "grads"), f"device {m.device} (the master's)",
                 f"device {g.device}",
             )  # fmt: skip

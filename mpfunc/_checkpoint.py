@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import torch
 
-from mpfunc import _tree
+from mpfunc import _checks, _tree
 
 __all__ = ["load", "load_state_dict", "masters_state_dict", "save", "state_dict"]
 
@@ -28,7 +28,7 @@ def _keyed_leaves(fn: str, tree: Any) -> tuple[list[str | None], list[Any], Any]
     """Each leaf with its dotted path (``None`` for ``None`` leaves), after checking that
     every leaf is a tensor or ``None`` and that no two paths collide."""
     leaves, spec = _tree.flatten(tree)
-    _tree.check_tensor_or_none(fn, "", tree, leaves)
+    _checks.check_tensor_or_none(fn, "", tree, leaves)
     keys: list[str | None] = []
     seen: dict[str, int] = {}
     paths = _tree.leaf_paths(tree)

@@ -7,7 +7,7 @@ from typing import Any, Union
 
 import torch
 
-from mpfunc import _grouping, _tree
+from mpfunc import _checks, _grouping, _tree
 
 __all__ = ["clip_by_global_norm", "clip_by_global_norm_"]
 
@@ -19,7 +19,7 @@ def _check_max_norm(fn: str, max_norm: object) -> MaxNorm:
         if max_norm.ndim != 0 or not max_norm.is_floating_point():
             raise TypeError(
                 f"{fn}: max_norm: expected a float > 0 or a 0-d float tensor, got "
-                f"{_tree.describe(max_norm)}"
+                f"{_checks.describe(max_norm)}"
             )
         return max_norm
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
@@ -33,12 +33,12 @@ def _check_max_norm(fn: str, max_norm: object) -> MaxNorm:
 def _plan(fn: str, g32: Any, max_norm: object) -> tuple[list[Any], Any, MaxNorm]:
     max_norm = _check_max_norm(fn, max_norm)
     leaves, spec = _tree.flatten(g32)
-    _tree.check_tensor_or_none(fn, "grads", g32, leaves)
+    _checks.check_tensor_or_none(fn, "grads", g32, leaves)
     for i, g in enumerate(leaves):
         if g is not None and not g.is_floating_point():
-            _tree.fail(
+            _checks.fail(
                 TypeError, fn, _tree.leaf_path(g32, i, "grads"), "a floating-point grad",
-                _tree.describe(g),
+                _checks.describe(g),
             )  # fmt: skip
     return leaves, spec, max_norm
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _tree
+from mpfunc import _checks, _tree
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -78,12 +78,12 @@ def _check_grads(fn: str, grads: Any, op: str, reduce_dtype: Any) -> tuple[list[
             f"{fn}: reduce_dtype: expected None or a floating dtype, got {reduce_dtype!r}"
         )
     leaves, spec = _tree.flatten(grads)
-    _tree.check_tensor_or_none(fn, "grads", grads, leaves)
+    _checks.check_tensor_or_none(fn, "grads", grads, leaves)
     for i, g in enumerate(leaves):
         if g is not None and not g.is_floating_point():
-            _tree.fail(
+            _checks.fail(
                 TypeError, fn, _tree.leaf_path(grads, i, "grads"), "a floating-point grad",
-                _tree.describe(g),
+                _checks.describe(g),
             )  # fmt: skip
     return leaves, spec
 
@@ -295,7 +295,7 @@ def reduce_grads_to_owners(
     fn = "reduce_grads_to_owners"
     leaves, spec = _check_grads(fn, grads, op, reduce_dtype)
     p_leaves, p_spec = _tree.flatten(plan)
-    _tree.check_same_structure(fn, "grads", grads, spec, "plan", plan, p_spec)
+    _checks.check_same_structure(fn, "grads", grads, spec, "plan", plan, p_spec)
     dist = _dist()
     world = _world(group)
     me = dist.get_rank(group)
@@ -338,7 +338,7 @@ def shard_plan(params: Any, world_size: int) -> Any:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{fn}: world_size: expected an int >= 1, got {world_size!r}")
     leaves, spec = _tree.flatten(params)
-    _tree.check_tensor_or_none(fn, "params", params, leaves)
+    _checks.check_tensor_or_none(fn, "params", params, leaves)
     paths = _tree.leaf_paths(params)
     order = sorted(
         (i for i, t in enumerate(leaves) if t is not None),
@@ -364,7 +364,7 @@ def shard(tree: Any, plan: Any, rank: int) -> Any:
     """
     leaves, spec = _tree.flatten(tree)
     p_leaves, p_spec = _tree.flatten(plan)
-    _tree.check_same_structure("shard", "tree", tree, spec, "plan", plan, p_spec)
+    _checks.check_same_structure("shard", "tree", tree, spec, "plan", plan, p_spec)
     return _tree.unflatten(spec, [t if r == rank else None for t, r in zip(leaves, p_leaves)])
 
 
@@ -388,7 +388,7 @@ def broadcast_params_(
     dist = _dist()
     leaves, spec = _tree.flatten(params)
     p_leaves, p_spec = _tree.flatten(plan)
-    _tree.check_same_structure("broadcast_params_", "params", params, spec, "plan", plan, p_spec)
+    _checks.check_same_structure("broadcast_params_", "params", params, spec, "plan", plan, p_spec)
     world = _world(group)
     if world == 1:
         return params

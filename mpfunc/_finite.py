@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _grouping, _tree
+from mpfunc import _checks, _grouping, _tree
 
 __all__ = ["all_finite"]
 
@@ -40,7 +40,7 @@ def all_finite(tree: Any) -> torch.Tensor:
       masters, state = mpfunc.apply_update_(masters, g32, state, opt, skip=~finite)
     """
     leaves, _ = _tree.flatten(tree)
-    _tree.check_tensor_or_none("all_finite", "tree", tree, leaves)
+    _checks.check_tensor_or_none("all_finite", "tree", tree, leaves)
     keys: list[tuple[object, ...] | None] = [
         (t.device, t.dtype) if t is not None and t.is_floating_point() and t.numel() else None
         for t in leaves

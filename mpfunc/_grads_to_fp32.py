@@ -6,22 +6,22 @@ from typing import Any
 
 import torch
 
-from mpfunc import _dtypes, _grouping, _loss_scale, _tree
+from mpfunc import _checks, _dtypes, _grouping, _loss_scale, _tree
 from mpfunc._loss_scale import ScaleArg
 
 __all__ = ["grads_to_fp32", "grads_to_fp32_"]
 
 
 def _check_grads(fn: str, grads: Any, leaves: list[Any]) -> None:
-    _tree.check_tensor_or_none(fn, "grads", grads, leaves)
+    _checks.check_tensor_or_none(fn, "grads", grads, leaves)
     for i, g in enumerate(leaves):
         if g is not None and not _dtypes.is_floating(g):
-            _tree.fail(
+            _checks.fail(
                 TypeError,
                 fn,
                 _tree.leaf_path(grads, i, "grads"),
                 "a floating-point grad",
-                _tree.describe(g),
+                _checks.describe(g),
                 "Non-floating parameters have no master and take no grad; pass None there.",
             )
 
@@ -40,22 +40,22 @@ def _unscale_(tensors: list[torch.Tensor], value: torch.Tensor | None) -> None:
 def _explain_out(fn: str, grads: Any, g_leaves: list[Any], out: Any, o_leaves: list[Any]) -> None:
     """Raises the error for the first leaf at fault in ``grads_to_fp32_``'s inputs."""
     _check_grads(fn, grads, g_leaves)
-    _tree.check_tensor_or_none(fn, "out", out, o_leaves)
+    _checks.check_tensor_or_none(fn, "out", out, o_leaves)
     for i, (g, o) in enumerate(zip(g_leaves, o_leaves)):
         if g is None:
             continue
         where = _tree.leaf_path(out, i, "out")
         if o is None:
-            _tree.fail(ValueError, fn, where, "a tensor to copy the grad into", "None")
+            _checks.fail(ValueError, fn, where, "a tensor to copy the grad into", "None")
         if o.dtype not in _dtypes.MASTER_DTYPES:
-            _tree.fail(TypeError, fn, where, "a float32 or float64 tensor", _tree.describe(o))
+            _checks.fail(TypeError, fn, where, "a float32 or float64 tensor", _checks.describe(o))
         if o.shape != g.shape:
-            _tree.fail(
+            _checks.fail(
                 ValueError, fn, where, f"shape {tuple(g.shape)} (the grad's)",
                 f"shape {tuple(o.shape)}",
             )  # fmt: skip
         if o.device != g.device:
-            _tree.fail(
+            _checks.fail(
                 ValueError, fn, where, f"device {g.device} (the grad's)", f"device {o.device}"
             )
 
@@ -123,7 +123,7 @@ def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
     fn = "grads_to_fp32_"
     g_leaves, g_spec = _tree.flatten(grads)
     o_leaves, o_spec = _tree.flatten(out)
-    _tree.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
+    _checks.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
     # One pass for the common case; on any doubt, _explain_out names the culprit.
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _dtypes, _tree
+from mpfunc import _checks, _dtypes, _tree
 
 __all__ = ["init_master"]
 
@@ -39,7 +39,7 @@ def init_master(params: Any, dtype: torch.dtype = torch.float32) -> Any:
     fn = "init_master"
     dtype = _dtypes.check_master_dtype(fn, dtype)
     leaves, spec = _tree.flatten(params)
-    _tree.check_tensor_or_none(fn, "params", params, leaves)
+    _checks.check_tensor_or_none(fn, "params", params, leaves)
     with torch.no_grad():
         masters = [
             p.detach().to(dtype=dtype, copy=True)

@@ -18,7 +18,7 @@ from typing import Any, Union
 import optree
 import torch
 
-from mpfunc import _tree
+from mpfunc import _checks, _tree
 
 __all__ = ["DynamicLossScale", "LossScale", "ScaleArg", "StaticLossScale", "scale_value"]
 
@@ -47,7 +47,7 @@ def _scale_tensor(fn: str, scale: object) -> torch.Tensor:
         if scale.ndim != 0 or not scale.is_floating_point():
             raise TypeError(
                 f"{fn}: scale: expected a finite float > 0 or a 0-d float tensor, got "
-                f"{_tree.describe(scale)}"
+                f"{_checks.describe(scale)}"
             )
         return scale.detach().to(torch.float32)
     return torch.tensor(_scalar(fn, "scale", scale, "> 0"), dtype=torch.float32)
@@ -233,7 +233,7 @@ class DynamicLossScale:
         if not isinstance(finite, torch.Tensor) or finite.ndim != 0 or finite.dtype != torch.bool:
             raise TypeError(
                 f"DynamicLossScale.adjust: finite: expected a 0-d bool tensor, got "
-                f"{_tree.describe(finite)}"
+                f"{_checks.describe(finite)}"
             )
         device = finite.device
         scale = self.loss_scale.to(device)

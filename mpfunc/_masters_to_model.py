@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _dtypes, _grouping, _tree
+from mpfunc import _checks, _dtypes, _grouping, _tree
 
 __all__ = ["masters_to_model", "masters_to_model_"]
 
@@ -14,30 +14,30 @@ __all__ = ["masters_to_model", "masters_to_model_"]
 def _check(fn: str, masters: Any, params: Any) -> tuple[list[Any], list[Any], Any]:
     m_leaves, m_spec = _tree.flatten(masters)
     p_leaves, p_spec = _tree.flatten(params)
-    _tree.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
-    _tree.check_tensor_or_none(fn, "masters", masters, m_leaves)
-    _tree.check_tensor_or_none(fn, "params", params, p_leaves)
+    _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
+    _checks.check_tensor_or_none(fn, "masters", masters, m_leaves)
+    _checks.check_tensor_or_none(fn, "params", params, p_leaves)
     for i, (m, p) in enumerate(zip(m_leaves, p_leaves)):
         if m is None:
             continue
         if m.dtype not in _dtypes.MASTER_DTYPES:
-            _tree.fail(
+            _checks.fail(
                 TypeError,
                 fn,
                 _tree.leaf_path(masters, i, "masters"),
                 "a float32 or float64 master",
-                _tree.describe(m),
+                _checks.describe(m),
             )
         if p is None or not _dtypes.is_floating(p):
-            _tree.fail(
+            _checks.fail(
                 TypeError,
                 fn,
                 _tree.leaf_path(params, i, "params"),
                 "a floating-point parameter for this master",
-                _tree.describe(p),
+                _checks.describe(p),
             )
         if p.shape != m.shape:
-            _tree.fail(
+            _checks.fail(
                 ValueError,
                 fn,
                 _tree.leaf_path(params, i, "params"),
@@ -45,7 +45,7 @@ def _check(fn: str, masters: Any, params: Any) -> tuple[list[Any], list[Any], An
                 f"shape {tuple(p.shape)}",
             )
         if p.device != m.device:
-            _tree.fail(
+            _checks.fail(
                 ValueError,
                 fn,
                 _tree.leaf_path(params, i, "params"),

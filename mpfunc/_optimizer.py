@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Union
 import torch
 from optree import PyTreeSpec
 
-from mpfunc import _grouping, _tree
+from mpfunc import _checks, _grouping, _tree
 
 __all__ = [
     "LR",
@@ -87,7 +87,7 @@ def check_lr(fn: str, lr: object) -> LRArg:
         if lr.ndim != 0 or not lr.is_floating_point():
             raise TypeError(
                 f"{fn}: lr: expected a float or a 0-d floating-point tensor, got "
-                f"{_tree.describe(lr)}"
+                f"{_checks.describe(lr)}"
             )
         return lr
     return check_nonneg(fn, "lr", lr)
@@ -182,7 +182,7 @@ def state_field_leaves(
     masters, m_leaves, m_spec = step.masters, step.m_leaves, step.m_spec
     leaves, spec = _tree.flatten(tree)
     if spec != m_spec:
-        where = _tree.first_difference(masters, tree, "masters", f"state.{field}")
+        where = _checks._first_difference(masters, tree, "masters", f"state.{field}")
         raise ValueError(
             f"{fn}: state.{field} must have the masters' tree structure: {where}; expected "
             f"{m_spec}, got {spec}. Was this state made by opt.init() for these masters?"
@@ -199,30 +199,32 @@ def state_field_leaves(
     for i, (s, m) in enumerate(zip(leaves, m_leaves)):
         if m is None:
             if s is not None:
-                _tree.fail(
+                _checks.fail(
                     ValueError,
                     fn,
                     _tree.leaf_path(tree, i, f"state.{field}"),
                     "None (this leaf has no master)",
-                    _tree.describe(s),
+                    _checks.describe(s),
                 )
             continue
         if not isinstance(s, torch.Tensor):
-            _tree.fail(TypeError, fn, path(i), "a tensor", _tree.describe(s))
+            _checks.fail(TypeError, fn, path(i), "a tensor", _checks.describe(s))
         if kind == "step":
             if s.shape != () or s.dtype != torch.float32:
-                _tree.fail(ValueError, fn, path(i), "a 0-d float32 step count", _tree.describe(s))
+                _checks.fail(
+                    ValueError, fn, path(i), "a 0-d float32 step count", _checks.describe(s)
+                )
         elif s.shape != m.shape or s.dtype != m.dtype:
-            _tree.fail(
+            _checks.fail(
                 ValueError,
                 fn,
                 path(i),
                 f"{m.dtype} of shape {tuple(m.shape)} (the master's)",
-                _tree.describe(s),
+                _checks.describe(s),
                 "Was this state made by opt.init() for these masters?",
             )
         if s.device != m.device:
-            _tree.fail(ValueError, fn, path(i), f"device {m.device}", f"device {s.device}")
+            _checks.fail(ValueError, fn, path(i), f"device {m.device}", f"device {s.device}")
     return leaves
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from optree import PyTreeSpec
 
-from mpfunc import _tree
+from mpfunc import _checks, _tree
 from mpfunc._optimizer import Optimizer, StepInput
 
 __all__ = ["partition"]
@@ -47,7 +47,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
     """
     fn = "partition"
     if not isinstance(optimizers, Mapping) or not optimizers:
-        got = "an empty dict" if isinstance(optimizers, Mapping) else _tree.describe(optimizers)
+        got = "an empty dict" if isinstance(optimizers, Mapping) else _checks.describe(optimizers)
         raise TypeError(
             f"{fn}: optimizers: expected a non-empty dict of label -> Optimizer, got {got}"
         )
@@ -55,7 +55,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         if not isinstance(opt, Optimizer):
             raise TypeError(
                 f"{fn}: optimizers[{name!r}]: expected an mpfunc Optimizer, got "
-                f"{_tree.describe(opt)}"
+                f"{_checks.describe(opt)}"
             )
     opts = dict(optimizers)
     cache: dict[PyTreeSpec, list[str | None]] = {}
@@ -73,12 +73,14 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
             tree, prefix = masters, "masters"
         else:
             l_leaves, l_spec = _tree.flatten(labels)
-            _tree.check_same_structure(where, "masters", masters, m_spec, "labels", labels, l_spec)
+            _checks.check_same_structure(
+                where, "masters", masters, m_spec, "labels", labels, l_spec
+            )
             out = [None if m is None else lab for m, lab in zip(m_leaves, l_leaves)]
             tree, prefix = labels, "labels"
         for i, lab in enumerate(out):
             if m_leaves[i] is not None and lab not in opts:
-                _tree.fail(
+                _checks.fail(
                     ValueError, where, _tree.leaf_path(tree, i, prefix),
                     f"a label among {sorted(opts)}", repr(lab),
                 )  # fmt: skip
@@ -88,7 +90,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
 
     def init(masters: Any) -> dict[str, Any]:
         m_leaves, m_spec = _tree.flatten(masters)
-        _tree.check_tensor_or_none(f"{fn}.init", "masters", masters, m_leaves)
+        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, m_leaves)
         labs = label_list(f"{fn}.init", masters, m_leaves, m_spec)
         return {
             name: opt.init(

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _grouping, _optimizer, _tree
+from mpfunc import _checks, _grouping, _optimizer, _tree
 from mpfunc._optimizer import LR, LRArg, Optimizer, StepInput, pick
 
 __all__ = ["SGDState", "sgd"]
@@ -143,7 +143,7 @@ def sgd(
 
     def init(masters: Any) -> SGDState:
         leaves, _ = _tree.flatten(masters)
-        _tree.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
+        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
         return SGDState(
             step=_optimizer.steps_like_masters(masters),
             momentum_buffer=_optimizer.zeros_like_masters(masters) if h.momentum else None,

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _tree
+from mpfunc import _checks, _tree
 from mpfunc._optimizer import Optimizer, StepInput
 
 __all__ = ["TorchOptimizerState", "torch_optimizer"]
@@ -54,7 +54,7 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
 
     def init(masters: Any) -> TorchOptimizerState:
         leaves, _ = _tree.flatten(masters)
-        _tree.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
+        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
         tensors = [m for m in leaves if m is not None]
         return TorchOptimizerState(cls(tensors, **kwargs))
 
@@ -76,7 +76,7 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         if step.skip is not None:
             raise TypeError(
                 f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "
-                f"{_tree.describe(step.skip)}: torch.optim optimizers step unconditionally; a "
+                f"{_checks.describe(step.skip)}: torch.optim optimizers step unconditionally; a "
                 "device-side skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw)"
             )
 

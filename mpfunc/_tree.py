@@ -21,19 +21,16 @@ import contextlib
 import functools
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
 from optree import PyTreeSpec
 
 __all__ = [
-    "check_same_structure",
-    "check_tensor_or_none",
-    "describe",
-    "fail",
-    "first_difference",
+    "NAMESPACE",
     "flatten",
+    "format_path",
     "gc_paused",
     "leaf_path",
     "leaf_paths",
@@ -138,66 +135,3 @@ def leaf_path(tree: Any, index: int, prefix: str = "") -> str:
     """The dotted path of the ``index``-th leaf of ``tree``, for error messages (it walks the
     whole tree: for many leaves, take ``leaf_paths`` once)."""
     return leaf_paths(tree, prefix)[index]
-
-
-def describe(x: Any) -> str:
-    """A short description of what arrived, for error messages."""
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
-    if x is None:
-        return "None"
-    if isinstance(x, type):
-        return f"the class {x.__module__}.{x.__qualname__}"
-    if isinstance(x, (bool, int, float, str)):
-        return f"{type(x).__name__} {x!r:.60}"
-    return type(x).__name__
-
-
-def fail(
-    cls: type[Exception], fn: str, path: str, expected: str, got: str, hint: str = ""
-) -> NoReturn:
-    """Raises ``cls`` with mpfunc's message form: where, what was expected, what arrived."""
-    msg = f"{fn}: at {path!r}: expected {expected}, got {got}"
-    if hint:
-        msg += f". {hint}"
-    raise cls(msg)
-
-
-def check_tensor_or_none(fn: str, name: str, tree: Any, leaves: Sequence[Any]) -> None:
-    """Raises ``TypeError`` naming the first leaf that is neither a tensor nor ``None``."""
-    for i, leaf in enumerate(leaves):
-        if leaf is not None and not isinstance(leaf, torch.Tensor):
-            fail(TypeError, fn, leaf_path(tree, i, name), "a tensor or None leaf", describe(leaf))
-
-
-def first_difference(a: Any, b: Any, name_a: str, name_b: str) -> str:
-    """Explains where two trees first differ, by path."""
-    pa = [format_path(p) for p in _paths(a)]
-    pb = [format_path(p) for p in _paths(b)]
-    set_b = set(pb)
-    set_a = set(pa)
-    for p in pa:
-        if p not in set_b:
-            return f"{p!r} is in {name_a} but not in {name_b}"
-    for p in pb:
-        if p not in set_a:
-            return f"{p!r} is in {name_b} but not in {name_a}"
-    return "the leaf paths match but the container types differ"
-
-
-def _short(spec: PyTreeSpec, limit: int = 200) -> str:
-    text = str(spec)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_same_structure(
-    fn: str, name_a: str, a: Any, spec_a: PyTreeSpec, name_b: str, b: Any, spec_b: PyTreeSpec
-) -> None:
-    """Raises ``ValueError`` if two trees differ in structure, naming the first differing path."""
-    if spec_a == spec_b:
-        return
-    where = first_difference(a, b, name_a, name_b)
-    raise ValueError(
-        f"{fn}: {name_a} and {name_b} must have the same tree structure: {where}; "
-        f"expected {_short(spec_a)}, got {_short(spec_b)}"
-    )
