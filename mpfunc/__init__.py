@@ -13,10 +13,20 @@ per-leaf hyperparameters, checkpoints and data parallelism. Import only from
 ``mpfunc``; the ``_``-prefixed modules are private.
 """
 
+import importlib.metadata as _metadata
+
 from mpfunc._accumulate import accumulate_grads, accumulate_grads_, init_grads
 from mpfunc._adam import AdamState, adam, adamw
 from mpfunc._apply_update import apply_update, apply_update_
-from mpfunc._checkpoint import load, load_state_dict, masters_state_dict, save, state_dict
+from mpfunc._checkpoint import (
+    load,
+    load_,
+    load_state_dict,
+    load_state_dict_,
+    masters_state_dict,
+    save,
+    state_dict,
+)
 from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
 from mpfunc._distributed import (
     all_reduce_grads,
@@ -30,24 +40,28 @@ from mpfunc._distributed import (
 from mpfunc._finite import all_finite
 from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
 from mpfunc._init_master import init_master
+from mpfunc._lion import LionState, lion
 from mpfunc._loss_scale import DynamicLossScale, StaticLossScale
 from mpfunc._masters_to_model import masters_to_model, masters_to_model_
-from mpfunc._optimizer import Optimizer, StepInput
+from mpfunc._optimizer import Optimizer
 from mpfunc._partition import partition
 from mpfunc._policy import Policy
 from mpfunc._sgd import SGDState, sgd
 from mpfunc._torch_optim import TorchOptimizerState, torch_optimizer
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("mpfunc")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    __version__ = "0+unknown"
 
 __all__ = [
     "AdamState",
     "DynamicLossScale",
+    "LionState",
     "Optimizer",
     "Policy",
     "SGDState",
     "StaticLossScale",
-    "StepInput",
     "TorchOptimizerState",
     "accumulate_grads",
     "accumulate_grads_",
@@ -65,8 +79,11 @@ __all__ = [
     "grads_to_fp32_",
     "init_grads",
     "init_master",
+    "lion",
     "load",
+    "load_",
     "load_state_dict",
+    "load_state_dict_",
     "masters_state_dict",
     "masters_to_model",
     "masters_to_model_",

@@ -6,73 +6,74 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _dtypes, _grouping, _tree
+from mpfunc import _checks, _gc, _plan, _tree
+from mpfunc._checks import Like, Side
+from mpfunc._init_master import check_params, master_dtype_for
 
 __all__ = ["accumulate_grads", "accumulate_grads_", "init_grads"]
 
+_SAME_LAYOUT = torch.preserve_format  # grads pair with masters element by element
+_ACC = Like("the grad's", dtypes=_checks.MASTER_DTYPES, what="a float32 or float64 tensor",
+            spare=True)  # fmt: skip
 
-def init_grads(params: Any, dtype: torch.dtype = torch.float32) -> Any:
-    """Returns zeros in ``dtype`` (fp32) shaped like every floating leaf of ``params``:
-    the accumulator for ``accumulate_grads_``, or the ``out`` of ``grads_to_fp32_``.
-    Non-floating leaves and ``None`` give ``None``.
+
+def init_grads(params: Any, dtype: torch.dtype | None = None) -> Any:
+    """Returns zeros in full precision shaped like every floating leaf of ``params``,
+    in each leaf's memory layout: the accumulator for ``accumulate_grads_``, or the
+    ``out`` of ``grads_to_fp32_``. Non-floating leaves and ``None`` give ``None``.
+
+    Args:
+      params: the parameter tree.
+      dtype: ``None`` (float32, float64 for float64 params, as ``init_master``), or
+        ``torch.float32``/``torch.float64``.
 
     Raises:
-      TypeError: a leaf is not a tensor or ``None``.
-      ValueError: ``dtype`` is not float32 or float64.
+      TypeError: a leaf is not a dense tensor or ``None``, or is complex.
+      ValueError: ``dtype`` is not float32 or float64, or is narrower than a param.
     """
     fn = "init_grads"
-    dtype = _dtypes.check_master_dtype(fn, dtype)
-    leaves, spec = _tree.flatten(params)
-    _checks.check_tensor_or_none(fn, "params", params, leaves)
+    dtype = _checks.master_dtype(fn, dtype)
+    side, spec = _checks.tensor_leaves(fn, "params", params)
+    check_params(fn, side, dtype)
     return _tree.unflatten(
         spec,
         [
-            torch.zeros(p.shape, dtype=dtype, device=p.device)
+            torch.zeros_like(
+                p, dtype=master_dtype_for(p, dtype), memory_format=torch.preserve_format
+            )
             if p is not None and p.is_floating_point()
             else None
-            for p in leaves
+            for p in side.leaves
         ],
     )
 
 
-def _check(fn: str, acc: Any, grads: Any) -> tuple[list[Any], list[Any], Any]:
-    a_leaves, a_spec = _tree.flatten(acc)
-    g_leaves, g_spec = _tree.flatten(grads)
+def _check(fn: str, acc: Any, grads: Any, in_place: bool) -> tuple[Side, Side, Any]:
+    a, a_spec = _checks.tensor_leaves(fn, "acc", acc)
+    g, g_spec = _checks.tensor_leaves(fn, "grads", grads)
     _checks.check_same_structure(fn, "acc", acc, a_spec, "grads", grads, g_spec)
-    _checks.check_tensor_or_none(fn, "acc", acc, a_leaves)
-    _checks.check_tensor_or_none(fn, "grads", grads, g_leaves)
-    for i, (a, g) in enumerate(zip(a_leaves, g_leaves)):
-        if g is None:
-            continue
-        if not g.is_floating_point():
-            _checks.fail(
-                TypeError, fn, _tree.leaf_path(grads, i, "grads"), "a floating-point grad",
-                _checks.describe(g),
-            )  # fmt: skip
-        if a is None or a.dtype not in _dtypes.MASTER_DTYPES:
-            _checks.fail(
-                TypeError, fn, _tree.leaf_path(acc, i, "acc"), "a float32 or float64 tensor",
-                _checks.describe(a),
-            )  # fmt: skip
-        if a.shape != g.shape or a.device != g.device:
-            _checks.fail(
-                ValueError, fn, _tree.leaf_path(acc, i, "acc"),
-                f"shape {tuple(g.shape)} on {g.device} (the grad's)", _checks.describe(a),
-            )  # fmt: skip
-    return a_leaves, g_leaves, a_spec
+    _checks.check_leaf_dtypes(fn, g, _checks.FLOAT_DTYPES, "a floating-point grad")
+    _checks.check_pairs(fn, g, a, _ACC)
+    if in_place:
+        written = a._replace(
+            leaves=[x if y is not None else None for x, y in zip(a.leaves, g.leaves)]
+        )
+        _checks.check_writable(fn, [written])
+        _checks.check_no_alias(fn, written=[written], read=[g])
+    return a, g, a_spec
 
 
 def _add_(acc: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     # acc += grad, computed in the accumulator's precision: the low-precision grad is
-    # upcast exactly, so only the fp32 addition rounds.
+    # upcast exactly, so only the fp32 addition rounds. Elements pair by index.
     keys: list[tuple[object, ...] | None] = [
         (a.device, a.dtype, g.dtype) for a, g in zip(acc, grads)
     ]
-    for idx in _grouping.group_indices(keys).values():
-        torch._foreach_add_([acc[i] for i in idx], [grads[i] for i in idx])
+    for idx in _plan.group_indices(keys).values():
+        torch._foreach_add_(_plan.pick(acc, idx), _plan.pick(grads, idx))
 
 
-@_tree.without_gc
+@_gc.without_gc
 def accumulate_grads(acc: Any, grads: Any) -> Any:
     """Returns ``acc + grads`` in ``acc``'s precision (fp32); ``acc`` is not modified.
 
@@ -82,15 +83,18 @@ def accumulate_grads(acc: Any, grads: Any) -> Any:
       TypeError, ValueError: the trees differ, or a leaf has the wrong dtype, shape
         or device.
     """
-    a_leaves, g_leaves, spec = _check("accumulate_grads", acc, grads)
+    a, g, spec = _check("accumulate_grads", acc, grads, in_place=False)
     with torch.no_grad():
-        out: list[Any] = [a if a is None else a.clone() for a in a_leaves]
-        pairs = [(o, g) for o, g in zip(out, g_leaves) if g is not None]
-        _add_([o for o, _ in pairs], [g for _, g in pairs])
+        out: list[Any] = [
+            x if x is None else x.detach().clone(memory_format=torch.preserve_format)
+            for x in a.leaves
+        ]
+        pairs = [(o, y) for o, y in zip(out, g.leaves) if y is not None]
+        _add_([o for o, _ in pairs], [y for _, y in pairs])
     return _tree.unflatten(spec, out)
 
 
-@_tree.without_gc
+@_gc.without_gc
 def accumulate_grads_(acc: Any, grads: Any) -> Any:
     """Adds ``grads`` (bf16/fp16/fp32) into the fp32 accumulator ``acc``, in place.
 
@@ -110,10 +114,11 @@ def accumulate_grads_(acc: Any, grads: Any) -> Any:
       ``acc``.
 
     Raises:
-      TypeError, ValueError: as ``accumulate_grads``; nothing is written then.
+      TypeError, ValueError: as ``accumulate_grads``, or an accumulator is expanded or
+        shares memory with another leaf; nothing is written then.
     """
-    a_leaves, g_leaves, _ = _check("accumulate_grads_", acc, grads)
-    pairs = [(a, g) for a, g in zip(a_leaves, g_leaves) if g is not None]
+    a, g, _ = _check("accumulate_grads_", acc, grads, in_place=True)
+    pairs = [(x, y) for x, y in zip(a.leaves, g.leaves) if y is not None]
     with torch.no_grad():
-        _add_([a for a, _ in pairs], [g for _, g in pairs])
+        _add_([x for x, _ in pairs], [y for _, y in pairs])
     return acc

@@ -1,7 +1,8 @@
 """``adam`` and ``adamw``: Adam over master trees, three implementations of one step.
 
 * ``fused``: torch's own fused kernels (``torch._fused_adam_``/``_fused_adamw_``),
-  the ones ``torch.optim.Adam(fused=True)`` runs. Default on CPU and CUDA.
+  the ones ``torch.optim.Adam(fused=True)`` runs. Default on CPU and CUDA where the
+  leaf's tensors share one dense layout (``_plan`` decides).
 * ``foreach``: a sync-free chain of ``torch._foreach_*`` ops. Default on XLA,
   where it traces into one graph with no host read.
 * ``reference``: the same math as ``foreach``, one tensor at a time, to read.
@@ -13,13 +14,14 @@ from the step tensors on the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _grouping, _optimizer, _tree
-from mpfunc._optimizer import LR, LRArg, Optimizer, StepInput, pick
+from mpfunc import _checks, _plan
+from mpfunc._checks import LRArg
+from mpfunc._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -38,16 +40,21 @@ class AdamState(NamedTuple):
     max_exp_avg_sq: Any = None
 
 
-class _Hyper(NamedTuple):
-    lr: LRArg
+class AdamHyper(NamedTuple):
     beta1: float
     beta2: float
     eps: float
     weight_decay: float
-    decoupled: bool
+    decoupled: bool  # AdamW: decay the master, not the grad
     amsgrad: bool
     maximize: bool
-    impl: str
+
+
+def _fields(h: AdamHyper) -> Mapping[str, str]:
+    return _plan.fields_from(
+        step="step", exp_avg="moment", exp_avg_sq="moment",
+        max_exp_avg_sq="moment" if h.amsgrad else None,
+    )  # fmt: skip
 
 
 def _ln(beta: float) -> float:
@@ -55,44 +62,50 @@ def _ln(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
-def _reference(P, G, M, V, VM, S, lr: LR, h: _Hyper) -> None:  # type: ignore[no-untyped-def]
+def _reference(group: Group, h: AdamHyper) -> None:
     """One tensor at a time; the op order matches ``_foreach`` exactly."""
+    s: AdamState = group.state
+    lr = group.lr
     log_b1, log_b2 = _ln(h.beta1), _ln(h.beta2)
-    for i in range(len(P)):
-        p, g, m, v, s = P[i], G[i], M[i], V[i], S[i]
-        if h.maximize:
-            g = torch.neg(g)
-        s.add_(1)
-        if h.weight_decay != 0:
-            if h.decoupled:
-                p.mul_(1 - lr * h.weight_decay)
-            else:
-                g = g.add(p, alpha=h.weight_decay)
-        m.lerp_(g, 1 - h.beta1)
-        v.mul_(h.beta2)
-        v.addcmul_(g, g, value=1 - h.beta2)
-        if h.amsgrad:
-            torch.maximum(VM[i], v, out=VM[i])
-            v = VM[i]
-        # 1 - beta**t computed as -expm1(t * ln beta): accurate to fp32 rounding
-        # even while beta**t is close to 1, where 1 - beta**t in fp32 loses digits.
-        c1 = torch.mul(s, log_b1)
-        c1.expm1_()  # beta1**t - 1, negative
-        c2 = torch.mul(s, log_b2)
-        c2.expm1_()
-        c2.neg_()
-        c2.sqrt_()  # sqrt(1 - beta2**t)
-        c1.reciprocal_()
-        c1.mul_(lr)  # -lr / (1 - beta1**t)
-        denom = torch.sqrt(v)
-        denom.div_(c2)
-        denom.add_(h.eps)
-        denom.div_(c1)
-        p.addcdiv_(m, denom)
+    written = [*group.params, *s.step, *s.exp_avg, *s.exp_avg_sq, *(s.max_exp_avg_sq or [])]
+    with unless_skipped(group.skip, written):
+        for i, (p, g, m, v, t) in enumerate(
+            zip(group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.step)
+        ):
+            if h.maximize:
+                g = torch.neg(g)
+            t.add_(1)
+            if h.weight_decay != 0:
+                if h.decoupled:
+                    p.mul_(1 - lr * h.weight_decay)
+                else:
+                    g = g.add(p, alpha=h.weight_decay)
+            m.lerp_(g, 1 - h.beta1)
+            v.mul_(h.beta2)
+            v.addcmul_(g, g, value=1 - h.beta2)
+            if h.amsgrad:
+                vmax = s.max_exp_avg_sq[i]
+                torch.maximum(vmax, v, out=vmax)
+                v = vmax
+            # 1 - beta**t computed as -expm1(t * ln beta): accurate to fp32 rounding
+            # even while beta**t is close to 1, where 1 - beta**t in fp32 loses digits.
+            c1 = torch.mul(t, log_b1)
+            c1.expm1_()  # beta1**t - 1, negative
+            c2 = torch.mul(t, log_b2)
+            c2.expm1_()
+            c2.neg_()
+            c2.sqrt_()  # sqrt(1 - beta2**t)
+            c1.reciprocal_()
+            c1.mul_(lr)  # -lr / (1 - beta1**t)
+            denom = torch.sqrt(v)
+            denom.div_(c2)
+            denom.add_(h.eps)
+            denom.div_(c1)
+            p.addcdiv_(m, denom)
 
 
 def _bias_terms(
-    S: list[torch.Tensor], lr: LR, h: _Hyper
+    steps: list[torch.Tensor], lr: Any, h: AdamHyper
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per leaf, ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``, from the step counts.
 
@@ -102,14 +115,14 @@ def _bias_terms(
     a handful of nodes instead of eight per leaf.
     """
     log_b1, log_b2 = _ln(h.beta1), _ln(h.beta2)
-    if S and _grouping.is_lazy(S[0].device):
-        st = torch.stack(S)
+    if steps and _plan.is_lazy(steps[0].device):
+        st = torch.stack(steps)
         neg = torch.reciprocal(torch.expm1(st * log_b1)) * lr
         root = torch.sqrt(torch.neg(torch.expm1(st * log_b2)))
         return list(torch.unbind(neg)), list(torch.unbind(root))
-    c1 = torch._foreach_mul(S, log_b1)
+    c1 = torch._foreach_mul(steps, log_b1)
     torch._foreach_expm1_(c1)
-    c2 = torch._foreach_mul(S, log_b2)
+    c2 = torch._foreach_mul(steps, log_b2)
     torch._foreach_expm1_(c2)
     torch._foreach_neg_(c2)
     torch._foreach_sqrt_(c2)
@@ -118,130 +131,89 @@ def _bias_terms(
     return list(c1), list(c2)
 
 
-def _foreach(P, G, M, V, VM, S, lr: LR, h: _Hyper) -> None:  # type: ignore[no-untyped-def]
+def _foreach(group: Group, h: AdamHyper) -> None:
     """The sync-free multi-tensor step; every op mirrors one line of ``_reference``.
 
     Only the state is updated in place; temporaries are made out of place, which
     costs XLA no memory (it fuses them) and saves it a functionalization pass per op.
     """
-    if h.maximize:
-        G = torch._foreach_neg(G)
-    torch._foreach_add_(S, 1)
-    if h.weight_decay != 0:
-        if h.decoupled:
-            torch._foreach_mul_(P, 1 - lr * h.weight_decay)
-        else:
-            G = torch._foreach_add(G, P, alpha=h.weight_decay)
-    torch._foreach_lerp_(M, G, 1 - h.beta1)
-    torch._foreach_mul_(V, h.beta2)
-    torch._foreach_addcmul_(V, G, G, value=1 - h.beta2)
-    if h.amsgrad:
-        torch._foreach_maximum_(VM, V)
-        V = VM
-    neg_step, c2 = _bias_terms(S, lr, h)
-    denom = torch._foreach_div(torch._foreach_sqrt(V), c2)
-    denom = torch._foreach_div(torch._foreach_add(denom, h.eps), neg_step)
-    torch._foreach_addcdiv_(P, M, denom)
+    s: AdamState = group.state
+    params, lr = group.params, group.lr
+    grads: TensorList = group.grads
+    v: TensorList = s.exp_avg_sq
+    written = [*params, *s.step, *s.exp_avg, *v, *(s.max_exp_avg_sq or [])]
+    with unless_skipped(group.skip, written):
+        if h.maximize:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(s.step, 1)
+        if h.weight_decay != 0:
+            if h.decoupled:
+                torch._foreach_mul_(params, 1 - lr * h.weight_decay)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=h.weight_decay)
+        torch._foreach_lerp_(s.exp_avg, grads, 1 - h.beta1)
+        torch._foreach_mul_(v, h.beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - h.beta2)
+        if h.amsgrad:
+            torch._foreach_maximum_(s.max_exp_avg_sq, v)
+            v = s.max_exp_avg_sq
+        neg_step, c2 = _bias_terms(s.step, lr, h)
+        denom = torch._foreach_div(torch._foreach_sqrt(v), c2)
+        denom = torch._foreach_div(torch._foreach_add(denom, h.eps), neg_step)
+        torch._foreach_addcdiv_(params, s.exp_avg, denom)
 
 
-def _fused(P, G, M, V, VM, S, lr: LR, h: _Hyper, skip=None) -> None:  # type: ignore[no-untyped-def]
-    """torch's fused kernel; steps are incremented first, as torch.optim does.
+def _fused(group: Group, h: AdamHyper) -> None:
+    """torch's fused kernel, on leaves whose tensors share one dense layout.
 
-    With ``skip``, the kernel's own ``found_inf`` flag leaves params and moments
-    untouched on the device, and the step increment is taken back (x + 1 - 1 == x
-    exactly for step counts below 2**24).
+    Steps are incremented first, as torch.optim does. With ``skip``, the kernel's own
+    ``found_inf`` flag leaves params and moments untouched on the device, and the step
+    grows by ``1 - found_inf``: exactly 0 or 1, whatever the count (a ``+ 1 - 1``
+    round trip would change counts from 2**24 on).
     """
-    found_inf = None if skip is None else skip.to(torch.float32)
-    torch._foreach_add_(S, 1)
+    s: AdamState = group.state
+    found_inf = None if group.skip is None else group.skip.to(torch.float32)
+    if found_inf is None:
+        torch._foreach_add_(s.step, 1)
+    else:
+        torch._foreach_add_(s.step, [1 - found_inf] * len(s.step))
     kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     kernel(
-        P, G, M, V, VM if h.amsgrad else [], S,
-        lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
+        group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq or [], s.step,
+        lr=group.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
         amsgrad=h.amsgrad, maximize=h.maximize, grad_scale=None, found_inf=found_inf,
     )  # fmt: skip
-    if found_inf is not None:
-        torch._foreach_sub_(S, [found_inf] * len(S))
 
 
-_KERNELS = {"reference": _reference, "foreach": _foreach}
+def _rule(name: str) -> Rule:
+    kernels = {"reference": _reference, "foreach": _foreach, "fused": _fused}
+    return Rule(name=name, state_type=AdamState, fields=_fields, kernels=kernels)
 
 
-def _make(fn: str, h: _Hyper) -> Optimizer:
-    def init(masters: Any) -> AdamState:
-        leaves, _ = _tree.flatten(masters)
-        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
-        zeros = _optimizer.zeros_like_masters
-        return AdamState(
-            step=_optimizer.steps_like_masters(masters),
-            exp_avg=zeros(masters),
-            exp_avg_sq=zeros(masters),
-            max_exp_avg_sq=zeros(masters) if h.amsgrad else None,
-        )
-
-    def prepare(step: StepInput, state: Any, where: str) -> Callable[[], None]:
-        if not isinstance(state, AdamState):
-            raise TypeError(
-                f"{where}: state: expected the AdamState made by {fn}(...).init(masters), got "
-                f"{type(state).__name__}"
-            )
-        m_leaves, g_leaves = step.m_leaves, step.g_leaves
-
-        def field(name: str) -> list[torch.Tensor | None]:
-            kind = "step" if name == "step" else "moment"
-            return _optimizer.state_field_leaves(where, name, getattr(state, name), step, kind)
-
-        S, M, V = field("step"), field("exp_avg"), field("exp_avg_sq")
-        if h.amsgrad:
-            VM = field("max_exp_avg_sq")
-        elif state.max_exp_avg_sq is not None:
-            raise ValueError(
-                f"{where}: state.max_exp_avg_sq: expected None (amsgrad=False), got "
-                f"{type(state.max_exp_avg_sq).__name__}"
-            )
-        else:
-            VM = [None] * len(m_leaves)
-        # Every group's kernel, lr and skip are resolved before the first write.
-        work = _optimizer.plan(where, h.impl, h.lr, step, S, has_fused=True)
-
-        def commit() -> None:
-            for w in work:
-                P, G, Mw, Vw, VMw, Sw = (pick(x, w.idx) for x in (m_leaves, g_leaves, M, V, VM, S))
-                if w.impl == "fused":
-                    _fused(P, G, Mw, Vw, VMw, Sw, w.lr, h, w.skip)
-                    continue
-                kernel = _KERNELS[w.impl]
-                written = P + Mw + Vw + Sw + (VMw if h.amsgrad else [])
-                _optimizer.guarded(w.skip, written, kernel, P, G, Mw, Vw, VMw, Sw, w.lr, h)
-
-        return commit
-
-    return Optimizer(init=init, prepare=prepare, functional=True, name=fn)
-
-
-def _hyper(
+def _make(
     fn: str,
     lr: object,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
+    betas: object,
+    eps: object,
+    weight_decay: object,
     amsgrad: bool,
     maximize: bool,
     impl: str,
     decoupled: bool,
-) -> _Hyper:
+) -> Optimizer:
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise TypeError(f"{fn}: betas: expected a pair of floats, got {betas!r}")
-    return _Hyper(
-        lr=_optimizer.check_lr(fn, lr),
-        beta1=_optimizer.check_unit_interval(fn, "betas[0]", betas[0]),
-        beta2=_optimizer.check_unit_interval(fn, "betas[1]", betas[1]),
-        eps=_optimizer.check_nonneg(fn, "eps", eps),
-        weight_decay=_optimizer.check_nonneg(fn, "weight_decay", weight_decay),
+    h = AdamHyper(
+        beta1=_checks.real(fn, "betas[0]", betas[0], ge=0.0, lt=1.0),
+        beta2=_checks.real(fn, "betas[1]", betas[1], ge=0.0, lt=1.0),
+        eps=_checks.real(fn, "eps", eps, ge=0.0),
+        weight_decay=_checks.real(fn, "weight_decay", weight_decay, ge=0.0),
         decoupled=decoupled,
         amsgrad=bool(amsgrad),
         maximize=bool(maximize),
-        impl=_optimizer.check_choice(fn, "impl", impl, _grouping.IMPLS),
     )
+    chosen = _checks.choice(fn, "impl", impl, _plan.IMPLS)
+    return _plan.elementwise(_rule(fn), h, chosen, _checks.lr(fn, lr))
 
 
 def adam(
@@ -252,7 +224,7 @@ def adam(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
-    impl: _grouping.Impl = "auto",
+    impl: _plan.Impl = "auto",
 ) -> Optimizer:
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
@@ -261,8 +233,9 @@ def adam(
         schedule, a function of the 0-d float32 step count (steps already taken)
         returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
       betas, eps, weight_decay, amsgrad, maximize: as in ``torch.optim.Adam``.
-      impl: ``"auto"`` (fused kernels on CPU/CUDA, foreach elsewhere), ``"fused"``,
-        ``"foreach"`` or ``"reference"`` (a per-tensor loop).
+      impl: ``"auto"`` (fused kernels on CPU/CUDA where layouts allow, foreach
+        elsewhere), ``"fused"`` (falls back to foreach, leaf by leaf, where a leaf's
+        tensors differ in layout), ``"foreach"`` or ``"reference"`` (a per-tensor loop).
 
     Returns:
       An ``Optimizer`` whose state is an ``AdamState``.
@@ -271,8 +244,7 @@ def adam(
       TypeError, ValueError: a hyperparameter is out of range (lr < 0, betas outside
         [0, 1), eps < 0, weight_decay < 0) or of the wrong type.
     """
-    h = _hyper("adam", lr, betas, eps, weight_decay, amsgrad, maximize, impl, decoupled=False)
-    return _make("adam", h)
+    return _make("adam", lr, betas, eps, weight_decay, amsgrad, maximize, impl, decoupled=False)
 
 
 def adamw(
@@ -283,7 +255,7 @@ def adamw(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
-    impl: _grouping.Impl = "auto",
+    impl: _plan.Impl = "auto",
 ) -> Optimizer:
     """AdamW: Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
@@ -296,5 +268,4 @@ def adamw(
       state = opt.init(masters)
       masters, state = mpfunc.apply_update_(masters, g32, state, opt)
     """
-    h = _hyper("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, impl, decoupled=True)
-    return _make("adamw", h)
+    return _make("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, impl, decoupled=True)

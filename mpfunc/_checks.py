@@ -15,8 +15,8 @@ leaves every tensor as it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn, Union
 
 import torch
 from optree import PyTreeSpec
@@ -24,15 +24,33 @@ from optree import PyTreeSpec
 from mpfunc import _tree
 
 __all__ = [
+    "FLOAT_DTYPES",
+    "LR",
+    "MASTER_DTYPES",
+    "LRArg",
+    "Like",
+    "Side",
+    "check_leaf_dtypes",
+    "check_no_alias",
+    "check_pairs",
     "check_same_structure",
     "check_tensor_or_none",
+    "check_writable",
     "choice",
     "describe",
     "fail",
     "integer",
+    "lr",
+    "master_dtype",
     "real",
+    "tensor_leaves",
     "zero_d_bool",
 ]
+
+# The floating dtypes torch computes in; float8 and friends hold data but do not add.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# A master holds at least fp32 precision; bf16/fp16 masters would defeat the recipe.
+MASTER_DTYPES = (torch.float32, torch.float64)
 
 
 # --- wording ------------------------------------------------------------------------------
@@ -70,16 +88,14 @@ def fail(
 
 
 def _bounds(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
-    parts = []
-    if ge is not None:
-        parts.append(f">= {ge:g}")
-    if gt is not None:
-        parts.append(f"> {gt:g}")
-    if le is not None:
-        parts.append(f"<= {le:g}")
-    if lt is not None:
-        parts.append(f"< {lt:g}")
-    return " and ".join(parts)
+    """``">= 0"``, ``"> 1"``, ``"in [0, 1)"``, ``"in (0, 1)"``: how a range reads in errors."""
+    low = f"[{ge:g}" if ge is not None else (f"({gt:g}" if gt is not None else None)
+    high = f"{le:g}]" if le is not None else (f"{lt:g})" if lt is not None else None)
+    if low is not None and high is not None:
+        return f"in {low}, {high}"
+    parts = [f">= {ge:g}" if ge is not None else "", f"> {gt:g}" if gt is not None else ""]
+    parts += [f"<= {le:g}" if le is not None else "", f"< {lt:g}" if lt is not None else ""]
+    return " ".join(p for p in parts if p)
 
 
 def real(
@@ -95,11 +111,12 @@ def real(
     """A finite real number within the given bounds, returned as a Python float.
 
     ``bool`` is refused (``True`` is an int to Python, never a hyperparameter here).
+    Errors read ``expected a finite float >= 0, got nan`` (or ``a float in [0, 1)`` when
+    both ends are bounded, which already excludes infinities).
     """
     rule = _bounds(ge, gt, le, lt)
-    expected = f"a finite float {rule}".rstrip()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{fn}: {name}: expected {expected}, got {describe(value)}")
+        raise TypeError(f"{fn}: {name}: expected a float {rule}, got {type(value).__name__}")
     v = float(value)
     ok = (
         math.isfinite(v)
@@ -109,7 +126,8 @@ def real(
         and (lt is None or v < lt)
     )
     if not ok:
-        raise ValueError(f"{fn}: {name}: expected {expected}, got {v!r}")
+        finite = "" if rule.startswith("in ") else "finite "
+        raise ValueError(f"{fn}: {name}: expected a {finite}float {rule}, got {v!r}")
     return v
 
 
@@ -120,7 +138,7 @@ def integer(
     rule = _bounds(ge, None, le, None)
     expected = f"an int {rule}".rstrip()
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{fn}: {name}: expected {expected}, got {describe(value)}")
+        raise TypeError(f"{fn}: {name}: expected {expected}, got {value!r}")
     if (ge is not None and value < ge) or (le is not None and value > le):
         raise ValueError(f"{fn}: {name}: expected {expected}, got {value}")
     return value
@@ -194,3 +212,273 @@ def check_same_structure(
         f"{fn}: {name_a} and {name_b} must have the same tree structure: {where}; "
         f"expected {_short(spec_a)}, got {_short(spec_b)}{extra}"
     )
+
+
+# --- learning rates -----------------------------------------------------------------------
+
+LR = Union[float, torch.Tensor]
+# What a user may pass as lr: a float, a 0-d tensor, or a schedule of the step count.
+LRArg = Union[float, torch.Tensor, Callable[[torch.Tensor], Union[float, torch.Tensor]]]
+
+
+def lr(fn: str, value: object) -> LRArg:
+    """A learning rate: a float >= 0, a 0-d floating tensor (read at every step), or a
+    schedule, a function of the 0-d step count returning either.
+
+    A tensor's value is not checked: reading it would wait on the device.
+    """
+    if callable(value) and not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or not value.is_floating_point():
+            raise TypeError(
+                f"{fn}: lr: expected a float or a 0-d floating-point tensor, got {describe(value)}"
+            )
+        return value
+    return real(fn, "lr", value, ge=0.0)
+
+
+def master_dtype(fn: str, dtype: object) -> torch.dtype | None:
+    """``None`` (each master at least fp32 and never narrower than its param) or a master
+    dtype, float32 or float64."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{fn}: dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    if dtype not in MASTER_DTYPES:
+        raise ValueError(
+            f"{fn}: dtype: expected torch.float32 or torch.float64 (masters and their grads keep "
+            f"full precision), got {dtype}"
+        )
+    return dtype
+
+
+# --- leaves -------------------------------------------------------------------------------
+
+
+class Side(NamedTuple):
+    """One tree of a call, flattened once: its name in errors (``"grads"``,
+    ``"state.exp_avg"``), the tree itself (for paths, built only on error) and its leaves."""
+
+    name: str
+    tree: Any
+    leaves: list[Any]
+
+    def where_present(self, other: Sequence[Any]) -> Side:
+        """These leaves where ``other`` holds one, ``None`` elsewhere (positions kept, so
+        paths stay right): the tensors a call writes when ``other`` says which."""
+        return self._replace(leaves=[x if y is not None else None
+                                     for x, y in zip(self.leaves, other)])  # fmt: skip
+
+    def path(self, i: int) -> str:
+        # One walk of the tree, on the error path only: linear in the number of leaves.
+        return _tree.leaf_paths(self.tree, self.name)[i]
+
+
+def tensor_leaves(fn: str, name: str, tree: Any) -> tuple[Side, PyTreeSpec]:
+    """Flattens ``tree`` and checks that every leaf is ``None`` or a dense (strided) tensor.
+
+    Sparse, sparse-compressed and other layouts are refused here, before any write: the
+    kernels index memory densely and would fail halfway or read garbage.
+    """
+    leaves, spec = _tree.flatten(tree)
+    strided = torch.strided
+    for leaf in leaves:
+        if leaf is not None and not (isinstance(leaf, torch.Tensor) and leaf.layout is strided):
+            _explain_leaves(fn, Side(name, tree, leaves))
+    return Side(name, tree, leaves), spec
+
+
+def _explain_leaves(fn: str, side: Side) -> NoReturn:
+    for i, leaf in enumerate(side.leaves):
+        if leaf is None:
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            fail(TypeError, fn, side.path(i), "a tensor or None leaf", describe(leaf))
+        if leaf.layout is not torch.strided:
+            fail(
+                TypeError, fn, side.path(i), "a dense (strided) tensor", describe(leaf),
+                "Sparse grads (nn.Embedding(sparse=True)) need .to_dense() first",
+            )  # fmt: skip
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class Like(NamedTuple):
+    """What each leaf of one tree must be, given the matching leaf of a reference tree.
+
+    ``dtypes`` is ``None`` for "the reference leaf's dtype", else the allowed dtypes,
+    named ``what`` in errors. ``scalar`` asks for a 0-d tensor (a step count) instead of
+    the reference's shape. ``optional``: may be ``None`` where the reference holds a
+    tensor (grads of params that took none). ``spare``: may hold anything where the
+    reference is ``None`` (``out`` trees that have a buffer for every param).
+    """
+
+    role: str  # how the reference leaf is named in errors: "the master's"
+    none_why: str = "this leaf has no master"  # why None is expected where ref is None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    what: str = ""
+    scalar: bool = False
+    optional: bool = False
+    spare: bool = False
+    hint: str = ""
+
+
+def check_pairs(fn: str, ref: Side, other: Side, like: Like) -> None:
+    """The one pair check: every leaf of ``other`` against the matching leaf of ``ref``
+    (the trees' structures are already equal). A fast pass decides; on any doubt the
+    explainer names the first leaf at fault, with one wording for every caller."""
+    dtypes, scalar, optional, spare = like.dtypes, like.scalar, like.optional, like.spare
+    Tensor, strided, no_shape = torch.Tensor, torch.strided, torch.Size([])
+    for r, o in zip(ref.leaves, other.leaves):
+        if r is None:
+            if o is None or spare:
+                continue
+            break
+        if o is None:
+            if optional:
+                continue
+            break
+        if not (
+            isinstance(o, Tensor)
+            and (o.dtype == r.dtype if dtypes is None else o.dtype in dtypes)
+            and o.shape == (no_shape if scalar else r.shape)
+            and o.device == r.device
+            and o.layout is strided
+        ):
+            break
+    else:
+        return
+    _explain_pairs(fn, ref, other, like)
+
+
+def _explain_pairs(fn: str, ref: Side, other: Side, like: Like) -> NoReturn:
+    for i, (r, o) in enumerate(zip(ref.leaves, other.leaves)):
+        if r is None:
+            if o is None or like.spare:
+                continue
+            fail(ValueError, fn, other.path(i), f"None ({like.none_why})", describe(o))
+        if o is None:
+            if like.optional:
+                continue
+            fail(TypeError, fn, other.path(i), like.what or "a tensor", "None", like.hint)
+        if not isinstance(o, torch.Tensor):
+            fail(TypeError, fn, other.path(i), "a tensor or None leaf", describe(o))
+        if o.layout is not torch.strided:
+            fail(TypeError, fn, other.path(i), "a dense (strided) tensor", describe(o))
+        if like.dtypes is None and o.dtype != r.dtype:
+            fail(
+                TypeError, fn, other.path(i), f"{r.dtype} ({like.role} dtype)", describe(o),
+                like.hint,
+            )  # fmt: skip
+        if like.dtypes is not None and o.dtype not in like.dtypes:
+            fail(TypeError, fn, other.path(i), like.what, describe(o), like.hint)
+        if like.scalar and o.shape != ():
+            fail(ValueError, fn, other.path(i), f"a 0-d {like.what}", describe(o), like.hint)
+        if not like.scalar and o.shape != r.shape:
+            fail(
+                ValueError, fn, other.path(i), f"shape {tuple(r.shape)} ({like.role})",
+                f"shape {tuple(o.shape)}", like.hint,
+            )  # fmt: skip
+        if o.device != r.device:
+            fail(
+                ValueError, fn, other.path(i), f"device {r.device} ({like.role})",
+                f"device {o.device}",
+            )  # fmt: skip
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def check_leaf_dtypes(fn: str, side: Side, dtypes: Sequence[torch.dtype], what: str) -> None:
+    """Every tensor leaf of ``side`` has one of ``dtypes``."""
+    for i, t in enumerate(side.leaves):
+        if t is not None and t.dtype not in dtypes:
+            fail(TypeError, fn, side.path(i), what, describe(t))
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded, stride-0 tensor, or an
+    ``as_strided`` view folding onto itself). Lazy devices (XLA) have no addresses."""
+    if t.device.type in ("xla", "lazy", "meta") or t.is_contiguous() or t.numel() <= 1:
+        return False
+    # Sorted by stride, each dimension must step past everything the smaller ones reach.
+    reach = 0
+    for stride, size in sorted((abs(s), n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def check_writable(fn: str, sides: Sequence[Side]) -> None:
+    """Tensors mpfunc writes must not overlap themselves: writing an expanded (stride-0)
+    tensor element by element would store several results in one place."""
+    for side in sides:
+        for i, t in enumerate(side.leaves):
+            if t is not None and _overlaps_itself(t):
+                fail(
+                    ValueError, fn, side.path(i),
+                    "a tensor whose elements do not share memory", f"{describe(t)} with "
+                    f"strides {t.stride()}", "Pass .clone() of an expanded tensor",
+                )  # fmt: skip
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` that ``t``'s elements can touch."""
+    start = t.data_ptr()
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    low = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0) * t.element_size()
+    return low, low + extent * t.element_size()
+
+
+def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) -> None:
+    """No two leaves share memory where one of them is written.
+
+    Two names for one tensor (tied weights listed twice, a view of another leaf) would
+    each get their own master and state, and whichever is written last would win:
+    one name's update would be lost with no error. On eager devices memory ranges are
+    compared; on XLA, where tensors have no addresses, tensor identity is.
+    """
+    spans: list[tuple[int, int, int, int, bool]] = []  # start, end, side, leaf, written
+    ids: dict[int, tuple[int, int, bool]] = {}
+    for s, side in enumerate((*written, *read)):
+        is_written = s < len(written)
+        for i, t in enumerate(side.leaves):
+            if t is None or t.numel() == 0:
+                continue
+            if t.device.type in ("xla", "lazy", "meta"):
+                prev = ids.setdefault(id(t), (s, i, is_written))
+                if prev != (s, i, is_written) and (prev[2] or is_written):
+                    _alias(fn, (*written, *read), prev[:2], (s, i))
+                continue
+            start, end = _span(t)
+            spans.append((start, end, s, i, is_written))
+    if len(spans) < 2:
+        return
+    spans.sort()
+    # Sweep: track the open range reaching furthest, and the furthest-reaching written one.
+    far: tuple[int, int, int, int, bool] | None = None
+    far_w: tuple[int, int, int, int, bool] | None = None
+    for cur in spans:
+        start, end, _, _, is_written = cur
+        other = far_w if not is_written else far
+        if other is not None and other[1] > start:
+            sides = (*written, *read)
+            _alias(fn, sides, other[2:4], cur[2:4])
+        if far is None or end > far[1]:
+            far = cur
+        if is_written and (far_w is None or end > far_w[1]):
+            far_w = cur
+
+
+def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int]) -> NoReturn:
+    path_a = sides[a[0]].path(a[1])
+    path_b = sides[b[0]].path(b[1])
+    t = sides[b[0]].leaves[b[1]]
+    fail(
+        ValueError, fn, path_b, f"a tensor that shares no memory with {path_a!r}",
+        f"{describe(t)} aliasing it",
+        "One tensor under two names would be trained twice and one update lost: list each "
+        "parameter once (model.named_parameters() does), or untie the weights",
+    )  # fmt: skip

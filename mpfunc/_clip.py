@@ -7,7 +7,7 @@ from typing import Any, Union
 
 import torch
 
-from mpfunc import _checks, _grouping, _tree
+from mpfunc import _checks, _gc, _plan, _tree
 
 __all__ = ["clip_by_global_norm", "clip_by_global_norm_"]
 
@@ -30,17 +30,14 @@ def _check_max_norm(fn: str, max_norm: object) -> MaxNorm:
     return value
 
 
-def _plan(fn: str, g32: Any, max_norm: object) -> tuple[list[Any], Any, MaxNorm]:
+def _checked(fn: str, g32: Any, max_norm: object) -> tuple[list[Any], Any, MaxNorm]:
     max_norm = _check_max_norm(fn, max_norm)
-    leaves, spec = _tree.flatten(g32)
-    _checks.check_tensor_or_none(fn, "grads", g32, leaves)
-    for i, g in enumerate(leaves):
-        if g is not None and not g.is_floating_point():
-            _checks.fail(
-                TypeError, fn, _tree.leaf_path(g32, i, "grads"), "a floating-point grad",
-                _checks.describe(g),
-            )  # fmt: skip
-    return leaves, spec, max_norm
+    side, spec = _checks.tensor_leaves(fn, "grads", g32)
+    _checks.check_leaf_dtypes(fn, side, _checks.FLOAT_DTYPES, "a floating-point grad")
+    if fn.endswith("_"):  # the in-place twin writes the grads
+        _checks.check_writable(fn, [side])
+        _checks.check_no_alias(fn, written=[side])
+    return side.leaves, spec, max_norm
 
 
 def _norm_and_coef(
@@ -52,7 +49,7 @@ def _norm_and_coef(
     keys: list[tuple[object, ...] | None] = [
         None if g is None else (g.device, g.dtype) for g in leaves
     ]
-    groups = _grouping.group_indices(keys)
+    groups = _plan.group_indices(keys)
     norms: list[torch.Tensor] = []
     for idx in groups.values():
         norms.extend(torch._foreach_norm([leaves[i] for i in idx], 2.0))
@@ -65,7 +62,7 @@ def _norm_and_coef(
     return total, groups, coef
 
 
-@_tree.without_gc
+@_gc.without_gc
 def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, torch.Tensor]:
     """Scales all grads down together so that their global 2-norm is at most ``max_norm``.
 
@@ -91,7 +88,7 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
         wrong type.
       ValueError: ``max_norm`` is not a finite float > 0.
     """
-    leaves, spec, max_norm = _plan("clip_by_global_norm", g32, max_norm)
+    leaves, spec, max_norm = _checked("clip_by_global_norm", g32, max_norm)
     with torch.no_grad():
         total, groups, coef = _norm_and_coef(leaves, max_norm)
         out: list[Any] = list(leaves)
@@ -103,7 +100,7 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
     return _tree.unflatten(spec, out), total
 
 
-@_tree.without_gc
+@_gc.without_gc
 def clip_by_global_norm_(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, torch.Tensor]:
     """``clip_by_global_norm`` in place: the grads are scaled where they are.
 
@@ -113,7 +110,7 @@ def clip_by_global_norm_(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any,
     Raises:
       TypeError, ValueError: as ``clip_by_global_norm``; nothing is written then.
     """
-    leaves, _, max_norm = _plan("clip_by_global_norm_", g32, max_norm)
+    leaves, _, max_norm = _checked("clip_by_global_norm_", g32, max_norm)
     with torch.no_grad():
         total, groups, coef = _norm_and_coef(leaves, max_norm)
         for (device, _), idx in groups.items():

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _grouping, _tree
+from mpfunc import _checks, _gc, _plan
 
 __all__ = ["all_finite"]
 
 
-@_tree.without_gc
+@_gc.without_gc
 def all_finite(tree: Any) -> torch.Tensor:
     """Returns a 0-d bool tensor, on the tree's device, that is true iff no floating
     leaf holds an inf or a NaN. Nothing is read back to the host.
@@ -39,23 +39,26 @@ def all_finite(tree: Any) -> torch.Tensor:
       finite = mpfunc.all_finite(g32)
       masters, state = mpfunc.apply_update_(masters, g32, state, opt, skip=~finite)
     """
-    leaves, _ = _tree.flatten(tree)
-    _checks.check_tensor_or_none("all_finite", "tree", tree, leaves)
+    leaves = _checks.tensor_leaves("all_finite", "tree", tree)[0].leaves
     keys: list[tuple[object, ...] | None] = [
         (t.device, t.dtype) if t is not None and t.is_floating_point() and t.numel() else None
         for t in leaves
     ]
     flags: list[torch.Tensor] = []
-    for (device, _), idx in _grouping.group_indices(keys).items():
+    for (device, _), idx in _plan.group_indices(keys).items():
         assert isinstance(device, torch.device)
         group = [leaves[i] for i in idx]
-        if _grouping.is_lazy(device):
+        if _plan.is_lazy(device):
             # XLA's max reduction does not propagate NaN, so the inf-norm would miss
             # one; isfinite(...).all() fuses into the step's graph instead.
             flags.append(torch.stack([torch.isfinite(t).all() for t in group]).all())
         else:
             norms = torch._foreach_norm(group, float("inf"))
-            flags.append(torch.stack([n.float() for n in norms]).isfinite().all())
+            # isfinite in each leaf's own dtype: a finite float64 above 3.4e38 would
+            # become inf if cast to float32 first.
+            # One group shares one dtype: isfinite in that dtype, never after a cast
+            # (a finite float64 above 3.4e38 would become inf in float32).
+            flags.append(torch.stack(norms).isfinite().all())
     if not flags:
         device = next((t.device for t in leaves if t is not None), torch.device("cpu"))
         return torch.ones((), dtype=torch.bool, device=device)

@@ -1,56 +1,72 @@
 """Loss scaling as pytree state: ``StaticLossScale`` and ``DynamicLossScale``.
 
-In the spirit of jmp: a loss scale is an immutable value. ``scale(loss)``
+As in jmp, a loss scale is an immutable value (a frozen dataclass). ``scale(loss)``
 multiplies, ``grads_to_fp32(grads, scale=...)`` divides while upcasting, and
 ``adjust(finite)`` returns the next state. Every decision (back off, grow) is a
 ``torch.where`` on the device, so a step never waits on the host.
 
-Both classes are optree nodes in mpfunc's namespace: their tensors are the
-children (``loss_scale``, ``counter``) and their settings the node's metadata,
-so flatten/unflatten (and mpfunc's checkpoints) keep every field.
+Both classes are nodes of mpfunc's trees: their tensors (``loss_scale``, ``counter``)
+are the children and their settings the metadata, so flatten/unflatten and
+``state_dict``/``save``/``load`` keep every field. ``torch.load(weights_only=True)``
+reads them back too (they are on its allowlist once mpfunc is imported).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Union
+import dataclasses
+from typing import Any, TypeVar, Union
 
-import optree
 import torch
 
 from mpfunc import _checks, _tree
 
-__all__ = ["DynamicLossScale", "LossScale", "ScaleArg", "StaticLossScale", "scale_value"]
+__all__ = ["DynamicLossScale", "ScaleArg", "StaticLossScale", "scale_value"]
+
+_F32 = torch.finfo(torch.float32)
+# The counter is int32, as GradScaler's growth tracker: it saturates here instead of wrapping.
+_COUNT_MAX = 2**31 - 1
 
 
-def _scalar(fn: str, name: str, value: object, rule: str) -> float:
-    """A finite float obeying ``rule``: ``">= 0"``, ``"> 0"``, ``"> 1"`` or ``"in (0, 1)"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{fn}: {name}: expected a finite float {rule}, got {type(value).__name__}")
-    value = float(value)
-    ok = (
-        math.isfinite(value)
-        and {
-            ">= 0": value >= 0.0,
-            "> 0": value > 0.0,
-            "> 1": value > 1.0,
-            "in (0, 1)": 0.0 < value < 1.0,
-        }[rule]
-    )
-    if not ok:
-        raise ValueError(f"{fn}: {name}: expected a finite float {rule}, got {value}")
-    return value
+def _float32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
 
 
-def _scale_tensor(fn: str, scale: object) -> torch.Tensor:
-    if isinstance(scale, torch.Tensor):
-        if scale.ndim != 0 or not scale.is_floating_point():
-            raise TypeError(
-                f"{fn}: scale: expected a finite float > 0 or a 0-d float tensor, got "
-                f"{_checks.describe(scale)}"
-            )
-        return scale.detach().to(torch.float32)
-    return torch.tensor(_scalar(fn, "scale", scale, "> 0"), dtype=torch.float32)
+def _scale_float(fn: str, name: str, value: object) -> float:
+    """A scale: > 0, and a normal float32 number, because the device holds it in float32
+    (1e39 would be inf there, and XLA/TPU flush subnormals to 0)."""
+    v = _checks.real(fn, name, value, gt=0)
+    _checks.real(fn, f"{name} ({v!r} in float32)", _float32(v), ge=_F32.tiny)
+    return v
+
+
+def _factor(fn: str, name: str, value: object, *, gt: float, lt: float | None = None) -> float:
+    """A factor within the bounds, as given and as float32 (1 + 1e-9 is 1 in float32: a
+    growth that never grows, a backoff that never backs off)."""
+    v = _checks.real(fn, name, value, gt=gt, lt=lt)
+    _checks.real(fn, f"{name} ({v!r} in float32)", _float32(v), gt=gt, lt=lt)
+    return v
+
+
+def _read_scale(fn: str, name: str, value: object) -> tuple[float, torch.device]:
+    """A constructor's scale, a float or a 0-d float tensor (read once, here), and its device."""
+    if isinstance(value, torch.Tensor):
+        _check_scale_tensor(fn, name, value)
+        return _scale_float(fn, name, float(value)), value.device
+    return _scale_float(fn, name, value), torch.device("cpu")
+
+
+def _check_scale_tensor(fn: str, name: str, value: torch.Tensor) -> None:
+    if value.ndim != 0 or not value.is_floating_point():
+        raise TypeError(
+            f"{fn}: {name}: expected a finite float > 0 or a 0-d float tensor, got "
+            f"{_checks.describe(value)}"
+        )
+
+
+def _check_finite(fn: str, finite: object) -> torch.Tensor:
+    if not isinstance(finite, torch.Tensor) or finite.ndim != 0 or finite.dtype != torch.bool:
+        raise TypeError(f"{fn}: finite: expected a 0-d bool tensor, got {_checks.describe(finite)}")
+    return finite
 
 
 def _multiply(tree: Any, factor: torch.Tensor) -> Any:
@@ -66,36 +82,36 @@ def _multiply(tree: Any, factor: torch.Tensor) -> Any:
     return _tree.map_tensors(one, tree)
 
 
+_S = TypeVar("_S")
+
+
+def _replace(state: _S, /, **fields: Any) -> _S:
+    """A copy of the frozen ``state`` with ``fields`` changed, set as pickle and unflatten
+    set them (``dataclasses.replace`` would call ``__init__``, which takes GradScaler's
+    arguments, not the fields)."""
+    new = object.__new__(type(state))
+    new.__dict__.update(state.__dict__, **fields)
+    return new
+
+
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class StaticLossScale:
     """A fixed loss scale.
 
     Args:
-      scale: a finite float > 0, or a 0-d float tensor.
+      scale: a finite float > 0 (a normal float32 number), or a 0-d float tensor (its
+        value is read once, to check it).
 
     Raises:
-      TypeError, ValueError: ``scale`` is not a finite positive float or 0-d tensor.
+      TypeError, ValueError: ``scale`` is not one of those.
     """
 
-    __slots__ = ("loss_scale",)
     loss_scale: torch.Tensor  # 0-d float32
 
     def __init__(self, scale: float | torch.Tensor) -> None:
-        object.__setattr__(self, "loss_scale", _scale_tensor("StaticLossScale", scale))
-
-    @classmethod
-    def _make(cls, loss_scale: Any) -> StaticLossScale:
-        new = object.__new__(cls)
-        object.__setattr__(new, "loss_scale", loss_scale)
-        return new
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("StaticLossScale is immutable")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_unflatten_static, (None, (self.loss_scale,)))
-
-    def __repr__(self) -> str:
-        return f"StaticLossScale(loss_scale={self.loss_scale!r})"
+        value, device = _read_scale("StaticLossScale", "scale", scale)
+        # frozen: the field is set once, as pickle and unflatten set it
+        self.__dict__["loss_scale"] = torch.tensor(value, dtype=torch.float32, device=device)
 
     def scale(self, tree: Any) -> Any:
         """Multiplies every floating tensor of ``tree`` (a loss, usually) by the scale,
@@ -103,14 +119,16 @@ class StaticLossScale:
         return _multiply(tree, self.loss_scale)
 
     def adjust(self, finite: torch.Tensor) -> StaticLossScale:
-        """A static scale never changes."""
+        """A static scale never changes: returns ``self``."""
+        _check_finite("StaticLossScale.adjust", finite)
         return self
 
     def to(self, device: torch.device | str) -> StaticLossScale:
         """The same scale, held on ``device``."""
-        return StaticLossScale._make(self.loss_scale.to(device))
+        return _replace(self, loss_scale=self.loss_scale.to(device))
 
 
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class DynamicLossScale:
     """A loss scale that backs off on overflow and grows after a run of finite steps,
     as ``torch.amp.GradScaler`` does, decided on the device.
@@ -118,30 +136,26 @@ class DynamicLossScale:
     After a step with non-finite grads: ``scale = max(scale * backoff_factor,
     min_scale)`` and the counter restarts. After ``growth_interval`` finite steps in a
     row: ``scale *= growth_factor`` (unless that overflows) and the counter restarts.
+    The scale stays within [min_scale, float32 max] and never reaches 0.
 
     Args:
-      init_scale: the first scale, a finite float > 0.
-      growth_interval: finite steps in a row before the scale grows (int >= 1).
-      growth_factor: > 1.
-      backoff_factor: in (0, 1).
-      min_scale: the scale never backs off below this (>= 0).
-      device: where the scale lives (default CPU; it moves to the grads' device at the
-        first ``adjust``).
+      init_scale: the first scale, a finite float > 0 (a normal float32 number), or a
+        0-d float tensor (read once, to check it).
+      growth_interval: finite steps in a row before the scale grows, an int >= 1. The
+        counter is int32, as GradScaler's, so 2**31 or more means "never grow".
+      growth_factor: > 1 (also in float32).
+      backoff_factor: in (0, 1) (also in float32).
+      min_scale: the scale never backs off below this; in [0, init_scale]. Below
+        float32's smallest normal number (1.2e-38, 0 included) the floor is that number.
+      device: where the state lives (default: CPU, or ``init_scale``'s device if it is a
+        tensor; it moves to the flag's device at the first ``adjust``).
 
     Raises:
       TypeError, ValueError: a setting is out of range.
     """
 
-    __slots__ = (
-        "backoff_factor",
-        "counter",
-        "growth_factor",
-        "growth_interval",
-        "loss_scale",
-        "min_scale",
-    )
     loss_scale: torch.Tensor  # 0-d float32: the current scale
-    counter: torch.Tensor  # 0-d int32: finite steps since the scale last changed
+    counter: torch.Tensor  # 0-d int32: finite steps in a row since the scale last changed
     growth_interval: int
     growth_factor: float
     backoff_factor: float
@@ -149,7 +163,7 @@ class DynamicLossScale:
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
+        init_scale: float | torch.Tensor = 2.0**16,
         growth_interval: int = 2000,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -158,65 +172,23 @@ class DynamicLossScale:
         device: torch.device | str | None = None,
     ) -> None:
         fn = "DynamicLossScale"
-        scale = _scale_tensor(fn, init_scale)
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise TypeError(f"{fn}: growth_interval: expected an int >= 1, got {growth_interval!r}")
-        if growth_interval < 1:
-            raise ValueError(f"{fn}: growth_interval: expected an int >= 1, got {growth_interval}")
-        growth = _scalar(fn, "growth_factor", growth_factor, "> 1")
-        backoff = _scalar(fn, "backoff_factor", backoff_factor, "in (0, 1)")
-        floor = _scalar(fn, "min_scale", min_scale, ">= 0")
-        self._set(
-            scale.to(device) if device is not None else scale,
-            torch.zeros((), dtype=torch.int32, device=device),
-            growth_interval,
-            growth,
-            backoff,
-            floor,
-        )
-
-    def _set(
-        self,
-        loss_scale: torch.Tensor,
-        counter: torch.Tensor,
-        growth_interval: int,
-        growth_factor: float,
-        backoff_factor: float,
-        min_scale: float,
-    ) -> None:
-        for name, value in (
-            ("loss_scale", loss_scale),
-            ("counter", counter),
-            ("growth_interval", growth_interval),
-            ("growth_factor", growth_factor),
-            ("backoff_factor", backoff_factor),
-            ("min_scale", min_scale),
-        ):
-            object.__setattr__(self, name, value)
-
-    @classmethod
-    def _make(
-        cls, loss_scale: torch.Tensor, counter: torch.Tensor, settings: tuple[Any, ...]
-    ) -> DynamicLossScale:
-        new = object.__new__(cls)
-        new._set(loss_scale, counter, *settings)
-        return new
-
-    def settings(self) -> tuple[int, float, float, float]:
-        """(growth_interval, growth_factor, backoff_factor, min_scale)."""
-        return (self.growth_interval, self.growth_factor, self.backoff_factor, self.min_scale)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("DynamicLossScale is immutable; adjust() returns a new one")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_unflatten_dynamic, (self.settings(), (self.loss_scale, self.counter)))
-
-    def __repr__(self) -> str:
-        return (
-            f"DynamicLossScale(loss_scale={self.loss_scale!r}, counter={self.counter!r}, "
-            f"growth_interval={self.growth_interval}, growth_factor={self.growth_factor}, "
-            f"backoff_factor={self.backoff_factor}, min_scale={self.min_scale})"
+        scale, where = _read_scale(fn, "init_scale", init_scale)
+        interval = _checks.integer(fn, "growth_interval", growth_interval, ge=1)
+        growth = _factor(fn, "growth_factor", growth_factor, gt=1)
+        backoff = _factor(fn, "backoff_factor", backoff_factor, gt=0, lt=1)
+        floor = _checks.real(fn, "min_scale", min_scale, ge=0)
+        if floor > scale:
+            raise ValueError(
+                f"{fn}: min_scale: expected a float <= init_scale ({scale!r}), got {floor!r}"
+            )
+        where = torch.device(device) if device is not None else where
+        self.__dict__.update(  # frozen: set once, as pickle and unflatten set them
+            loss_scale=torch.tensor(scale, dtype=torch.float32, device=where),
+            counter=torch.zeros((), dtype=torch.int32, device=where),
+            growth_interval=interval,
+            growth_factor=growth,
+            backoff_factor=backoff,
+            min_scale=floor,
         )
 
     def scale(self, tree: Any) -> Any:
@@ -225,68 +197,53 @@ class DynamicLossScale:
         return _multiply(tree, self.loss_scale)
 
     def adjust(self, finite: torch.Tensor) -> DynamicLossScale:
-        """The next state, given this step's 0-d bool ``finite`` flag (from ``all_finite``).
+        """The next state, given this step's 0-d bool ``finite`` flag (from ``all_finite``),
+        on the flag's device, with no host read.
 
         Raises:
           TypeError: ``finite`` is not a 0-d bool tensor.
         """
-        if not isinstance(finite, torch.Tensor) or finite.ndim != 0 or finite.dtype != torch.bool:
-            raise TypeError(
-                f"DynamicLossScale.adjust: finite: expected a 0-d bool tensor, got "
-                f"{_checks.describe(finite)}"
-            )
-        device = finite.device
-        scale = self.loss_scale.to(device)
-        counter = self.counter.to(device)
-        grown_count = counter + 1
-        grow = grown_count >= self.growth_interval
+        finite = _check_finite("DynamicLossScale.adjust", finite)
+        scale = self.loss_scale.to(finite.device)
+        counter = self.counter.to(finite.device)
+        count = counter.clamp(max=_COUNT_MAX - 1) + 1  # never wraps
+        if self.growth_interval <= _COUNT_MAX:
+            grow = finite & (count >= self.growth_interval)
+        else:  # an int32 count never gets there (GradScaler's never grows either); comparing
+            # it with the Python int would wrap the int to int32 and grow on every step
+            grow = torch.zeros_like(finite)
         grown = scale * self.growth_factor
         grown = torch.where(torch.isfinite(grown), grown, scale)  # never grow into inf
-        backed = torch.clamp(scale * self.backoff_factor, min=self.min_scale)
+        # The floor keeps the scale > 0: at 0, unscaling would divide 0 by 0.
+        backed = torch.clamp(scale * self.backoff_factor, min=max(self.min_scale, _F32.tiny))
         new_scale = torch.where(finite, torch.where(grow, grown, scale), backed)
-        zero = torch.zeros_like(counter)
-        new_counter = torch.where(finite & ~grow, grown_count, zero)
-        return DynamicLossScale._make(new_scale, new_counter, self.settings())
+        new_counter = torch.where(finite & ~grow, count, torch.zeros_like(count))
+        return _replace(self, loss_scale=new_scale, counter=new_counter)
 
     def to(self, device: torch.device | str) -> DynamicLossScale:
         """The same state, held on ``device``."""
-        return DynamicLossScale._make(
-            self.loss_scale.to(device), self.counter.to(device), self.settings()
+        return _replace(
+            self, loss_scale=self.loss_scale.to(device), counter=self.counter.to(device)
         )
 
 
-LossScale = Union[StaticLossScale, DynamicLossScale]
+_tree.register_dataclass(StaticLossScale, children=("loss_scale",))
+_tree.register_dataclass(DynamicLossScale, children=("loss_scale", "counter"))
+# Frozen dataclasses of tensors and numbers: safe for torch.load(weights_only=True).
+torch.serialization.add_safe_globals([StaticLossScale, DynamicLossScale])
+
 ScaleArg = Union[StaticLossScale, DynamicLossScale, float, torch.Tensor, None]
 
 
 def scale_value(fn: str, scale: object) -> torch.Tensor | None:
-    """The divisor for ``grads_to_fp32(..., scale=...)``: a loss-scale state, a float
-    or a 0-d tensor; ``None`` for no scaling."""
+    """The divisor for ``grads_to_fp32(..., scale=...)``: a loss-scale state, a float or a
+    0-d float tensor (whose value is not checked: that would be a host read every step);
+    ``None`` for no scaling."""
     if scale is None:
         return None
     if isinstance(scale, (StaticLossScale, DynamicLossScale)):
         return scale.loss_scale
-    return _scale_tensor(fn, scale)
-
-
-def _flatten_static(s: Any) -> tuple[tuple[Any, ...], None, tuple[str, ...]]:
-    return (s.loss_scale,), None, ("loss_scale",)
-
-
-def _unflatten_static(_: Any, children: Any) -> Any:
-    (loss_scale,) = children
-    return StaticLossScale._make(loss_scale)
-
-
-def _flatten_dynamic(s: Any) -> tuple[tuple[Any, ...], Any, tuple[str, ...]]:
-    return (s.loss_scale, s.counter), s.settings(), ("loss_scale", "counter")
-
-
-def _unflatten_dynamic(settings: Any, children: Any) -> Any:
-    loss_scale, counter = children
-    return DynamicLossScale._make(loss_scale, counter, settings)
-
-
-_register: Any = optree.register_pytree_node
-_register(StaticLossScale, _flatten_static, _unflatten_static, namespace=_tree.NAMESPACE)
-_register(DynamicLossScale, _flatten_dynamic, _unflatten_dynamic, namespace=_tree.NAMESPACE)
+    if isinstance(scale, torch.Tensor):
+        _check_scale_tensor(fn, "scale", scale)
+        return scale.detach().to(torch.float32)
+    return torch.tensor(_scale_float(fn, "scale", scale), dtype=torch.float32)

@@ -6,62 +6,32 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _dtypes, _grouping, _tree
+from mpfunc import _checks, _gc, _plan, _tree
+from mpfunc._checks import Like, Side
 
 __all__ = ["masters_to_model", "masters_to_model_"]
 
+_PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
+               what="a floating-point parameter for this master", spare=True)  # fmt: skip
 
-def _check(fn: str, masters: Any, params: Any) -> tuple[list[Any], list[Any], Any]:
-    m_leaves, m_spec = _tree.flatten(masters)
-    p_leaves, p_spec = _tree.flatten(params)
+
+def _check(fn: str, masters: Any, params: Any) -> tuple[Side, Side, Any]:
+    m, m_spec = _checks.tensor_leaves(fn, "masters", masters)
+    p, p_spec = _checks.tensor_leaves(fn, "params", params)
     _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
-    _checks.check_tensor_or_none(fn, "masters", masters, m_leaves)
-    _checks.check_tensor_or_none(fn, "params", params, p_leaves)
-    for i, (m, p) in enumerate(zip(m_leaves, p_leaves)):
-        if m is None:
-            continue
-        if m.dtype not in _dtypes.MASTER_DTYPES:
-            _checks.fail(
-                TypeError,
-                fn,
-                _tree.leaf_path(masters, i, "masters"),
-                "a float32 or float64 master",
-                _checks.describe(m),
-            )
-        if p is None or not _dtypes.is_floating(p):
-            _checks.fail(
-                TypeError,
-                fn,
-                _tree.leaf_path(params, i, "params"),
-                "a floating-point parameter for this master",
-                _checks.describe(p),
-            )
-        if p.shape != m.shape:
-            _checks.fail(
-                ValueError,
-                fn,
-                _tree.leaf_path(params, i, "params"),
-                f"shape {tuple(m.shape)} (the master's)",
-                f"shape {tuple(p.shape)}",
-            )
-        if p.device != m.device:
-            _checks.fail(
-                ValueError,
-                fn,
-                _tree.leaf_path(params, i, "params"),
-                f"device {m.device} (the master's)",
-                f"device {p.device}",
-            )
-    return m_leaves, p_leaves, p_spec
+    _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
+    _checks.check_pairs(fn, m, p, _PARAMS)
+    return m, p, p_spec
 
 
-@_tree.without_gc
+@_gc.without_gc
 def masters_to_model(masters: Any, params: Any) -> Any:
     """Returns new parameters: each master rounded to its parameter's dtype.
 
     Rounding is round-to-nearest-even, bit for bit what ``master.to(param.dtype)``
     gives. Where the master is ``None`` (non-floating leaves), the parameter is
-    passed through as is. The result shares no storage with ``masters``.
+    passed through as is. The result shares no storage with ``masters`` and is
+    detached: the transforms are not differentiable.
 
     Args:
       masters: a tree from ``init_master``/``apply_update``.
@@ -75,21 +45,23 @@ def masters_to_model(masters: Any, params: Any) -> Any:
       TypeError: a master is not float32/float64 or its parameter is not floating point.
       ValueError: the trees differ in structure, or a shape or device differs.
     """
-    m_leaves, p_leaves, spec = _check("masters_to_model", masters, params)
+    m, p, spec = _check("masters_to_model", masters, params)
     with torch.no_grad():
         out = [
-            p if m is None else m.to(dtype=p.dtype, copy=True) for m, p in zip(m_leaves, p_leaves)
+            q if t is None else t.detach().to(dtype=q.dtype, copy=True)
+            for t, q in zip(m.leaves, p.leaves)
         ]
     return _tree.unflatten(spec, out)
 
 
-@_tree.without_gc
+@_gc.without_gc
 def masters_to_model_(masters: Any, params: Any) -> Any:
     """Writes each master, rounded to its parameter's dtype, into the parameter itself.
 
     This is how the model trains: the model's own tensors (``nn.Parameter`` too)
-    receive the new values, one foreach copy per (device, dtype) group, with no
-    allocation. Parameters whose master is ``None`` are not touched.
+    receive the new values, one foreach copy per (device, dtype) group, element by
+    element whatever the layouts, with no allocation. Parameters whose master is
+    ``None`` are not touched.
 
     Args:
       masters: a tree from ``init_master``/``apply_update``.
@@ -100,10 +72,15 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
 
     Raises:
       TypeError: a master is not float32/float64 or its parameter is not floating point.
-      ValueError: the trees differ in structure, or a shape or device differs.
+      ValueError: the trees differ in structure, a shape or device differs, a parameter
+        is expanded, or two leaves share memory (one tensor under two names).
       Nothing is written unless every check passes.
     """
-    m_leaves, p_leaves, _ = _check("masters_to_model_", masters, params)
-    pairs = [(p, m) for m, p in zip(m_leaves, p_leaves) if m is not None]
-    _grouping.copy_grouped_([p for p, _ in pairs], [m for _, m in pairs])
+    fn = "masters_to_model_"
+    m, p, _ = _check(fn, masters, params)
+    written = p.where_present(m.leaves)
+    _checks.check_writable(fn, [written])
+    _checks.check_no_alias(fn, written=[written], read=[m])
+    pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]
+    _plan.copy_grouped_([q for q, _ in pairs], [t for _, t in pairs])
     return params

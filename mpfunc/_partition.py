@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-from optree import PyTreeSpec
-
 from mpfunc import _checks, _tree
-from mpfunc._optimizer import Optimizer, StepInput
+from mpfunc._checks import Side
+from mpfunc._optimizer import Optimizer, Step, Work
 
 __all__ = ["partition"]
-
-Labeler = Callable[[str, torch.Tensor], str]
 
 
 def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
@@ -58,72 +54,62 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
                 f"{_checks.describe(opt)}"
             )
     opts = dict(optimizers)
-    cache: dict[PyTreeSpec, list[str | None]] = {}
+    # Labels from a function are cached on what they may depend on: the tree's structure
+    # and each leaf's path, shape, dtype and device (never on object ids, which Python
+    # reuses). A second tree of the same structure but other shapes gets its own labels.
+    cache: dict[Any, list[str | None]] = {}
 
-    def label_list(
-        where: str, masters: Any, m_leaves: list[Any], m_spec: PyTreeSpec
-    ) -> list[str | None]:
-        if callable(labels) and m_spec in cache:
-            return cache[m_spec]
+    def label_list(where: str, masters: Side, spec: Any) -> list[str | None]:
         if callable(labels):
-            paths = _tree.leaf_paths(masters)
+            key = (spec, tuple(None if m is None else (m.shape, m.dtype, m.device)
+                               for m in masters.leaves))  # fmt: skip
+            if key in cache:
+                return cache[key]
+            paths = _tree.leaf_paths(masters.tree)
             out: list[str | None] = [
-                None if m is None else labels(paths[i], m) for i, m in enumerate(m_leaves)
+                None if m is None else labels(paths[i], m) for i, m in enumerate(masters.leaves)
             ]
-            tree, prefix = masters, "masters"
+            named = Side("masters", masters.tree, out)
         else:
             l_leaves, l_spec = _tree.flatten(labels)
             _checks.check_same_structure(
-                where, "masters", masters, m_spec, "labels", labels, l_spec
+                where, "masters", masters.tree, spec, "labels", labels, l_spec
             )
-            out = [None if m is None else lab for m, lab in zip(m_leaves, l_leaves)]
-            tree, prefix = labels, "labels"
+            out = [None if m is None else lab for m, lab in zip(masters.leaves, l_leaves)]
+            named = Side("labels", labels, out)
         for i, lab in enumerate(out):
-            if m_leaves[i] is not None and lab not in opts:
+            if masters.leaves[i] is not None and lab not in opts:
                 _checks.fail(
-                    ValueError, where, _tree.leaf_path(tree, i, prefix),
-                    f"a label among {sorted(opts)}", repr(lab),
-                )  # fmt: skip
+                    ValueError, where, named.path(i), f"a label among {sorted(opts)}", repr(lab)
+                )
         if callable(labels):
-            cache[m_spec] = out
+            cache[key] = out
         return out
 
     def init(masters: Any) -> dict[str, Any]:
-        m_leaves, m_spec = _tree.flatten(masters)
-        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, m_leaves)
-        labs = label_list(f"{fn}.init", masters, m_leaves, m_spec)
+        side, spec = _checks.tensor_leaves(f"{fn}.init", "masters", masters)
+        labs = label_list(f"{fn}.init", side, spec)
         return {
             name: opt.init(
                 _tree.unflatten(
-                    m_spec, [m if lab == name else None for m, lab in zip(m_leaves, labs)]
+                    spec, [m if lab == name else None for m, lab in zip(side.leaves, labs)]
                 )
             )
             for name, opt in opts.items()
         }
 
-    def prepare(step: StepInput, state: Any, where: str) -> Callable[[], None]:
+    def plan(step: Step, state: Any, where: str) -> list[Work]:
         if not isinstance(state, dict) or set(state) != set(opts):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise TypeError(
                 f"{where}: state: expected the dict made by partition(...).init(masters) with "
                 f"keys {sorted(opts)}, got {got}"
             )
-        labs = label_list(where, step.masters, step.m_leaves, step.m_spec)
-        commits = []
-        for name, opt in opts.items():
-            keep = [lab == name for lab in labs]
-            sub = step._replace(
-                m_leaves=[m if k else None for m, k in zip(step.m_leaves, keep)],
-                g_leaves=[g if k else None for g, k in zip(step.g_leaves, keep)],
-                signature=[s if k else None for s, k in zip(step.signature, keep)],
-            )
-            commits.append(opt.prepare(sub, state[name], where))  # all checks first
-
-        def commit() -> None:
-            for c in commits:
-                c()
-
-        return commit
+        labs = label_list(where, step.masters, step.spec)
+        work: list[Work] = []
+        for name, opt in opts.items():  # every sub-plan checks before anything runs
+            work += opt.plan(step.only([lab == name for lab in labs]), state[name], where)
+        return work
 
     functional = all(opt.functional for opt in opts.values())
-    return Optimizer(init=init, prepare=prepare, functional=functional, name=fn)
+    return Optimizer(init=init, plan=plan, functional=functional, name=fn)

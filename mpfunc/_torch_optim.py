@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _tree
-from mpfunc._optimizer import Optimizer, StepInput
+from mpfunc import _checks
+from mpfunc._optimizer import Group, Optimizer, Step, Work
 
 __all__ = ["TorchOptimizerState", "torch_optimizer"]
 
@@ -53,20 +52,17 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         raise TypeError(f"{fn}: cls: expected a torch.optim.Optimizer subclass, got {cls!r}")
 
     def init(masters: Any) -> TorchOptimizerState:
-        leaves, _ = _tree.flatten(masters)
-        _checks.check_tensor_or_none(f"{fn}.init", "masters", masters, leaves)
-        tensors = [m for m in leaves if m is not None]
-        return TorchOptimizerState(cls(tensors, **kwargs))
+        side, _ = _checks.tensor_leaves(f"{fn}.init", "masters", masters)
+        return TorchOptimizerState(cls([m for m in side.leaves if m is not None], **kwargs))
 
-    def prepare(step: StepInput, state: Any, where: str) -> Callable[[], None]:
+    def plan(step: Step, state: Any, where: str) -> list[Work]:
         if not isinstance(state, TorchOptimizerState):
             raise TypeError(
                 f"{where}: state: expected the TorchOptimizerState made by "
                 f"torch_optimizer({cls.__name__}, ...).init(masters), got {type(state).__name__}"
             )
-        m_leaves, g_leaves = step.m_leaves, step.g_leaves
         owned = [p for group in state.optimizer.param_groups for p in group["params"]]
-        pairs = [(m, g) for m, g in zip(m_leaves, g_leaves) if m is not None]
+        pairs = [(m, g) for m, g in zip(step.masters.leaves, step.grads.leaves) if m is not None]
         if len(owned) != len(pairs) or any(a is not b for a, (b, _) in zip(owned, pairs)):
             raise ValueError(
                 f"{where}: state: expected the {cls.__name__} built over these very master "
@@ -77,18 +73,21 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
             raise TypeError(
                 f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "
                 f"{_checks.describe(step.skip)}: torch.optim optimizers step unconditionally; a "
-                "device-side skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw)"
+                "device-side skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw/lion)"
             )
+        group = Group([m for m, _ in pairs], [g for _, g in pairs], state, 0.0, None)
+        return [Work(_lend_grads_and_step, group, None)]
 
-        def commit() -> None:
-            try:
-                for m, g in pairs:
-                    m.grad = g
-                state.optimizer.step()
-            finally:
-                for m, _ in pairs:
-                    m.grad = None
+    return Optimizer(init=init, plan=plan, functional=False, name=f"torch.{cls.__name__}")
 
-        return commit
 
-    return Optimizer(init=init, prepare=prepare, functional=False, name=f"torch.{cls.__name__}")
+def _lend_grads_and_step(group: Group, _: Any) -> None:
+    """The kernel: lend the grads as ``.grad`` (``None`` where a leaf took none, which
+    torch.optim skips), call ``step()``, and take them back."""
+    try:
+        for m, g in zip(group.params, group.grads):
+            m.grad = g
+        group.state.optimizer.step()
+    finally:
+        for m in group.params:
+            m.grad = None

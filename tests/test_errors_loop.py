@@ -125,7 +125,7 @@ def _scale_rows() -> Iterator[Any]:
             row(f"{fn}-scale-inf", partial(c, math.inf), ValueError,
                 rf"^{fn}: scale: expected a finite float > 0, got inf$"),
             row(f"{fn}-scale-bool", partial(c, True), TypeError,
-                rf"^{fn}: scale: expected a finite float > 0, got bool$"),
+                rf"^{fn}: scale: expected a float > 0, got bool$"),
             row(f"{fn}-scale-1d-tensor", partial(c, new((1,))), TypeError,
                 rf"^{fn}: scale: expected a finite float > 0 or a 0-d float tensor, got "
                 + re.escape(desc(F32, (1,)))),
@@ -147,7 +147,7 @@ def _scale_rows() -> Iterator[Any]:
             rf"^{static}: scale: expected a finite float > 0 or a 0-d float tensor, got "
             + re.escape(desc(F32, (2,)))),
         row(f"{dynamic}-init_scale-0", lambda: call(D, 0.0), ValueError,
-            rf"^{dynamic}: scale: expected a finite float > 0, got 0\.0$"),
+            rf"^{dynamic}: init_scale: expected a finite float > 0, got 0\.0$"),
         row(f"{dynamic}-growth_interval-0", lambda: call(D, growth_interval=0), ValueError,
             rf"^{dynamic}: growth_interval: expected an int >= 1, got 0$"),
         row(f"{dynamic}-growth_interval-negative", lambda: call(D, growth_interval=-5),
@@ -159,14 +159,14 @@ def _scale_rows() -> Iterator[Any]:
         row(f"{dynamic}-growth_factor-0.5", lambda: call(D, growth_factor=0.5), ValueError,
             rf"^{dynamic}: growth_factor: expected a (finite )?float > 1, got 0\.5$"),
         row(f"{dynamic}-backoff_factor-0", lambda: call(D, backoff_factor=0.0), ValueError,
-            rf"^{dynamic}: backoff_factor: expected a finite float in \(0, 1\), got 0\.0$"),
+            rf"^{dynamic}: backoff_factor: expected a float in \(0, 1\), got 0\.0$"),
         row(f"{dynamic}-backoff_factor-1", lambda: call(D, backoff_factor=1.0), ValueError,
-            rf"^{dynamic}: backoff_factor: expected a finite float in \(0, 1\), got 1\.0$"),
+            rf"^{dynamic}: backoff_factor: expected a float in \(0, 1\), got 1\.0$"),
         row(f"{dynamic}-backoff_factor-1.5", lambda: call(D, backoff_factor=1.5), ValueError,
-            rf"^{dynamic}: backoff_factor: expected a finite float in \(0, 1\), got 1\.5$"),
+            rf"^{dynamic}: backoff_factor: expected a float in \(0, 1\), got 1\.5$"),
         row(f"{dynamic}-backoff_factor-negative", lambda: call(D, backoff_factor=-0.5),
             ValueError,
-            rf"^{dynamic}: backoff_factor: expected a finite float in \(0, 1\), got -0\.5$"),
+            rf"^{dynamic}: backoff_factor: expected a float in \(0, 1\), got -0\.5$"),
         row(f"{dynamic}-min_scale-negative", lambda: call(D, min_scale=-1.0), ValueError,
             rf"^{dynamic}: min_scale: expected a finite float >= 0(\.0)?, got -1\.0$"),
     ]  # fmt: skip
@@ -321,7 +321,7 @@ def acc_call(
 
 def _accumulate_rows() -> Iterator[Any]:
     a, g = f"acc.{BAD}", f"grads.{BAD}"
-    grad_shape = "shape (1, 3) on cpu (the grad's)"
+    grad_shape = "shape (1, 3) (the grad's)"
     f32_or_f64 = "a float32 or float64 tensor"
     for fn, f in (
         ("accumulate_grads", mpfunc.accumulate_grads),
@@ -334,11 +334,11 @@ def _accumulate_rows() -> Iterator[Any]:
             row(f"{fn}-grads-extra-leaf", partial(c, grads={"head.weight": new()}),
                 ValueError, same_structure(fn, "acc", "grads", "head.weight", False)),
             row(f"{fn}-acc-shape", partial(c, acc={BAD: new((3, 1))}), ValueError,
-                at(fn, a, grad_shape, desc(F32, (3, 1)))),
+                at(fn, a, grad_shape, "shape (3, 1)")),
             row(f"{fn}-grads-shape", partial(c, grads={BAD: new((3, 1), BF16)}), ValueError,
-                at(fn, a, "shape (3, 1) on cpu (the grad's)", desc(F32))),
+                at(fn, a, "shape (3, 1) (the grad's)", "shape (1, 3)")),
             row(f"{fn}-acc-device", partial(c, acc={BAD: new(device="meta")}), ValueError,
-                at(fn, a, grad_shape, desc(F32, device="meta"))),
+                at(fn, a, "device cpu (the grad's)", "device meta")),
             row(f"{fn}-acc-bf16", partial(c, acc_dtype=BF16), TypeError,
                 at(fn, "acc.layers.0.bias", f32_or_f64, desc(BF16, (3,)))),
             row(f"{fn}-acc-bf16-leaf", partial(c, acc={BAD: new(dtype=BF16)}), TypeError,
