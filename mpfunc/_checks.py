@@ -30,6 +30,7 @@ __all__ = [
     "LRArg",
     "Like",
     "Side",
+    "check_dense",
     "check_leaf_dtypes",
     "check_no_alias",
     "check_pairs",
@@ -282,11 +283,17 @@ def tensor_leaves(fn: str, name: str, tree: Any) -> tuple[Side, PyTreeSpec]:
     kernels index memory densely and would fail halfway or read garbage.
     """
     leaves, spec = _tree.flatten(tree)
+    side = Side(name, tree, leaves)
+    check_dense(fn, side)
+    return side, spec
+
+
+def check_dense(fn: str, side: Side) -> None:
+    """Every leaf of ``side`` is ``None`` or a dense (strided) tensor."""
     strided = torch.strided
-    for leaf in leaves:
+    for leaf in side.leaves:
         if leaf is not None and not (isinstance(leaf, torch.Tensor) and leaf.layout is strided):
-            _explain_leaves(fn, Side(name, tree, leaves))
-    return Side(name, tree, leaves), spec
+            _explain_leaves(fn, side)
 
 
 def _explain_leaves(fn: str, side: Side) -> NoReturn:

@@ -173,6 +173,262 @@ def scenario_mismatch(rank: int, world: int, out: str) -> None:
     raise SystemExit("verify_replicas accepted different trees")
 
 
+# --- ranks that disagree: every rank must raise the same clear error before any write ---
+
+
+def _ones(*shape: int, rank: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values that tell the ranks (and the elements) apart: rank r holds (r + 1) * index."""
+    n = 1
+    for k in shape:
+        n *= k
+    return (torch.arange(n, dtype=torch.float64) * (rank + 1)).reshape(shape).to(dtype)
+
+
+def _snapshot(tree: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    return {k: (t.clone(), t._version) for k, t in tree.items()}
+
+
+def _unchanged(tree: dict[str, torch.Tensor], snap: dict[str, tuple[torch.Tensor, int]]) -> bool:
+    return all(torch.equal(tree[k], t) and tree[k]._version == v for k, (t, v) in snap.items())
+
+
+def _mismatch_cases(rank: int, world: int) -> dict[str, Any]:
+    """Each case runs on both ranks; rank 1's call differs from rank 0's as named."""
+    r = rank
+
+    def same_size_other_shapes() -> Any:
+        # Same total size (6 elements) and paths: today the ranks sum 'a' with 'b'.
+        g = {"a": _ones(4, rank=r), "b": _ones(2, rank=r)}
+        if r == 1:
+            g = {"a": _ones(2, rank=r), "b": _ones(4, rank=r)}
+        return mpfunc.all_reduce_grads(g)
+
+    def same_size_other_paths() -> Any:
+        g = {"a": _ones(3, rank=r), ("b" if r == 0 else "c"): _ones(3, rank=r)}
+        return mpfunc.all_reduce_grads(g)
+
+    def transposed_shape() -> Any:
+        return mpfunc.all_reduce_grads({"w": _ones(2, 3) if r == 0 else _ones(3, 2)})
+
+    def other_sizes() -> Any:  # today: SIGABRT inside gloo
+        return mpfunc.all_reduce_grads({"w": _ones(4 + r, rank=r)})
+
+    def other_dtypes() -> Any:  # today: SIGABRT inside gloo
+        dtype = torch.float32 if r == 0 else torch.bfloat16
+        return mpfunc.all_reduce_grads({"w": _ones(4, rank=r, dtype=dtype)})
+
+    def none_on_one_rank() -> Any:  # today: one rank waits for a collective the other skips
+        return mpfunc.all_reduce_grads({"w": _ones(4, rank=r), "b": _ones(2) if r else None})
+
+    def other_op() -> Any:  # today: the replicas silently diverge (a mean and a sum)
+        return mpfunc.all_reduce_grads({"w": _ones(4, rank=r)}, op="mean" if r == 0 else "sum")
+
+    def other_reduce_dtype() -> Any:
+        rd = None if r == 0 else torch.float32
+        return mpfunc.all_reduce_grads({"w": _ones(4, rank=r, dtype=torch.bfloat16)},
+                                       reduce_dtype=rd)  # fmt: skip
+
+    def other_buckets() -> Any:  # other bucket sizes cut the wire into other pieces
+        g = {"a": _ones(4, rank=r), "b": _ones(4, rank=r)}
+        return mpfunc.all_reduce_grads(g, bucket_bytes=16 if r == 0 else 1 << 20)
+
+    def inplace_untouched() -> Any:
+        g = {"a": _ones(4, rank=r), "b": _ones(2 + 2 * r, rank=r)}
+        snap = _snapshot(g)
+        try:
+            return mpfunc.all_reduce_grads_(g)
+        except ValueError:
+            assert _unchanged(g, snap), "all_reduce_grads_ wrote before its error"
+            raise
+
+    def owners_other_plans() -> Any:  # today: each owner receives the other's leaf
+        g = {"a": _ones(3, rank=r), "b": _ones(3, rank=r)}
+        plan = {"a": 0, "b": 1} if r == 0 else {"a": 1, "b": 0}
+        return mpfunc.reduce_grads_to_owners(g, plan)
+
+    def owners_out_of_world() -> Any:  # today: leaf 'b' is never reduced
+        g = {"a": _ones(3, rank=r), "b": _ones(3, rank=r)}
+        return mpfunc.reduce_grads_to_owners(g, {"a": 0, "b": world})
+
+    def owners_other_shapes() -> Any:
+        g = {"a": _ones(3 + r, rank=r), "b": _ones(3, rank=r)}
+        return mpfunc.reduce_grads_to_owners(g, {"a": 0, "b": 1})
+
+    def broadcast_out_of_world() -> Any:  # today: 'b' is never broadcast, replicas differ
+        p = {"a": _ones(3, rank=r), "b": _ones(3, rank=r)}
+        snap = _snapshot(p)
+        try:
+            return mpfunc.broadcast_params_(p, {"a": 0, "b": world + 3})
+        except ValueError:
+            assert _unchanged(p, snap), "broadcast_params_ wrote before its error"
+            raise
+
+    def broadcast_negative_owner() -> Any:
+        p = {"a": _ones(3, rank=r), "b": _ones(3, rank=r)}
+        return mpfunc.broadcast_params_(p, {"a": 0, "b": -1})
+
+    def broadcast_other_plans() -> Any:
+        p = {"a": _ones(3, rank=r), "b": _ones(3, rank=r)}
+        snap = _snapshot(p)
+        plan = {"a": 0, "b": 1} if r == 0 else {"a": 1, "b": 0}
+        try:
+            return mpfunc.broadcast_params_(p, plan)
+        except ValueError:
+            assert _unchanged(p, snap), "broadcast_params_ wrote before its error"
+            raise
+
+    def broadcast_other_dtypes() -> Any:
+        dtype = torch.bfloat16 if r == 0 else torch.float16
+        p = {"a": _ones(3, rank=r, dtype=dtype)}
+        return mpfunc.broadcast_params_(p, {"a": 0})
+
+    def broadcast_no_owner() -> Any:  # a tensor the plan gives no owner
+        p = {"a": _ones(3, rank=r), "b": _ones(3, rank=r)}
+        return mpfunc.broadcast_params_(p, {"a": 0, "b": None})
+
+    def expanded_inplace() -> Any:  # copy_ into it would fail after 'a' was written
+        g = {"a": _ones(4, rank=r), "b": torch.ones(1).expand(3)}
+        snap = _snapshot(g)
+        try:
+            return mpfunc.all_reduce_grads_(g)
+        except ValueError:
+            assert _unchanged(g, snap), "all_reduce_grads_ wrote before its error"
+            raise
+
+    def sparse_grad() -> Any:
+        return mpfunc.all_reduce_grads({"a": _ones(4, rank=r), "s": _ones(4).to_sparse()})
+
+    def verify_other_shapes() -> Any:
+        return mpfunc.verify_replicas({"w": _ones(2, 3) if r == 0 else _ones(3, 2)})
+
+    def matching_after_errors() -> Any:
+        # The ranks raised together, so the group is still in step: a good call works.
+        return mpfunc.all_reduce_grads({"a": _ones(4, rank=r), "b": _ones(2, rank=r)})
+
+    cases = [
+        same_size_other_shapes, same_size_other_paths, transposed_shape, other_sizes,
+        other_dtypes, none_on_one_rank, other_op, other_reduce_dtype, other_buckets,
+        inplace_untouched, owners_other_plans, owners_out_of_world, owners_other_shapes,
+        broadcast_out_of_world, broadcast_negative_owner, broadcast_other_plans,
+        broadcast_other_dtypes, broadcast_no_owner, expanded_inplace, sparse_grad,
+        verify_other_shapes, matching_after_errors,
+    ]  # fmt: skip
+    only = os.environ.get("MPFUNC_CASES")  # a comma-separated subset, for debugging
+    out: dict[str, Any] = {}
+    for case in cases:
+        name = case.__name__
+        if only and name not in only.split(","):
+            continue
+        try:
+            result = case()
+        except (ValueError, TypeError) as e:
+            out[name] = {"error": type(e).__name__, "msg": str(e)}
+        except AssertionError as e:
+            out[name] = {"error": "AssertionError", "msg": str(e)}
+        else:
+            out[name] = {"result": result}
+    return out
+
+
+def _steady_state(rank: int, world: int) -> dict[str, Any]:
+    """How many fingerprint all-gathers each call costs: one per new (tree, settings,
+    group), none after. Counted by wrapping torch.distributed.all_gather."""
+    calls = {"all_gather": 0}
+    real = dist.all_gather
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls["all_gather"] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather = counting
+    counts: dict[str, int] = {}
+
+    def run(label: str, fn: Any) -> None:
+        before = calls["all_gather"]
+        fn()
+        counts[label] = calls["all_gather"] - before
+
+    try:
+        for step in range(3):
+            # A fresh dict of fresh tensors every step, as a training loop makes them.
+            run(f"all_reduce_{step}", lambda: mpfunc.all_reduce_grads(
+                {"w": _ones(4, 3, rank=rank), "b": _ones(3, rank=rank)}))  # fmt: skip
+        run("other_op", lambda: mpfunc.all_reduce_grads({"w": _ones(4, 3), "b": _ones(3)},
+                                                        op="sum"))  # fmt: skip
+        run("other_op_again", lambda: mpfunc.all_reduce_grads(
+            {"w": _ones(4, 3), "b": _ones(3)}, op="sum"))  # fmt: skip
+        run("other_shape", lambda: mpfunc.all_reduce_grads({"w": _ones(3, 4), "b": _ones(3)}))
+        run("inplace", lambda: mpfunc.all_reduce_grads_({"w": _ones(4, 3), "b": _ones(3)}))
+        run("inplace_again", lambda: mpfunc.all_reduce_grads_({"w": _ones(4, 3), "b": _ones(3)}))
+        plan = {"w": 0, "b": 1}
+        for step in range(2):
+            run(f"owners_{step}", lambda: mpfunc.reduce_grads_to_owners(
+                {"w": _ones(4, 3), "b": _ones(3)}, plan))  # fmt: skip
+            run(f"broadcast_{step}", lambda: mpfunc.broadcast_params_(
+                {"w": _ones(4, 3), "b": _ones(3)}, plan))  # fmt: skip
+        sub = dist.new_group(list(range(world)))
+        for step in range(2):
+            run(f"subgroup_{step}", lambda: mpfunc.all_reduce_grads(
+                {"w": _ones(4, 3), "b": _ones(3)}, group=sub))  # fmt: skip
+        run("verify", lambda: mpfunc.verify_replicas({"w": _ones(4, 3)}))
+        run("verify_again", lambda: mpfunc.verify_replicas({"w": _ones(4, 3)}))
+    finally:
+        dist.all_gather = real
+    return counts
+
+
+def _layouts(rank: int, world: int) -> dict[str, Any]:
+    """Grads with a transposed and a channels_last layout (and, on rank 1, a contiguous
+    copy of one of them): the reduced values, and the layouts that come back."""
+    gen = torch.Generator().manual_seed(7)
+    base = {
+        "t": torch.randn(5, 3, generator=gen),
+        "cl": torch.randn(2, 3, 4, 5, generator=gen),
+        "c": torch.randn(6, generator=gen),
+        "cl2": torch.randn(2, 3, 2, 2, generator=gen),
+    }
+
+    def grads() -> dict[str, torch.Tensor]:
+        g = {k: v * (rank + 1) for k, v in base.items()}
+        g["t"] = g["t"].t().contiguous().t()  # (5, 3) with strides (1, 5)
+        g["cl"] = g["cl"].contiguous(memory_format=torch.channels_last)
+        # cl2: channels_last on rank 0 only; the wire order must not depend on it.
+        if rank == 0:
+            g["cl2"] = g["cl2"].contiguous(memory_format=torch.channels_last)
+        return g
+
+    out: dict[str, Any] = {"base": base, "world": world}
+    g = grads()
+    out["inputs"] = {k: v.stride() for k, v in g.items()}
+    red = mpfunc.all_reduce_grads(g)
+    out["all_reduce"] = {k: (v, v.stride()) for k, v in red.items()}
+    red32 = mpfunc.all_reduce_grads(
+        {k: v.to(torch.bfloat16, memory_format=torch.preserve_format) for k, v in g.items()},
+        reduce_dtype=torch.float32,
+    )
+    out["all_reduce_bf16_fp32"] = {k: (v, v.stride()) for k, v in red32.items()}
+    g2 = grads()
+    mpfunc.all_reduce_grads_(g2)
+    out["all_reduce_"] = {k: (v, v.stride()) for k, v in g2.items()}
+    plan = mpfunc.shard_plan(g, world)
+    own = mpfunc.reduce_grads_to_owners(grads(), plan)
+    out["plan"] = plan
+    out["owners"] = {k: None if v is None else (v, v.stride()) for k, v in own.items()}
+    # broadcast_params_ into strided params: each leaf gets its owner's values.
+    p = grads()
+    mpfunc.broadcast_params_(p, plan)
+    out["broadcast"] = {k: (v, v.stride()) for k, v in p.items()}
+    return out
+
+
+def scenario_mismatch_suite(rank: int, world: int, out: str) -> None:
+    result: dict[str, Any] = {"cases": _mismatch_cases(rank, world)}
+    if not os.environ.get("MPFUNC_CASES"):
+        result["steady"] = _steady_state(rank, world)
+        result["layouts"] = _layouts(rank, world)
+    torch.save(result, f"{out}/suite-rank{rank}.pt")
+
+
 def scenario_dead(rank: int, world: int, out: str) -> None:
     """Rank 1 dies before the first collective; rank 0 must fail, not hang."""
     if rank == 1:
@@ -187,6 +443,7 @@ SCENARIOS = {
     "save": scenario_save,
     "resume": scenario_resume,
     "mismatch": scenario_mismatch,
+    "mismatch_suite": scenario_mismatch_suite,
     "dead": scenario_dead,
 }
 

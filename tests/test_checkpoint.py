@@ -80,8 +80,10 @@ def test_round_trip_is_bit_identical(device: torch.device) -> None:
 def test_save_and_load_restore_to_the_device(device: torch.device, tmp_path: pathlib.Path) -> None:
     tree = full_tree(device)
     mpfunc.save(tmp_path / "ck.pt", tree)
-    raw = torch.load(tmp_path / "ck.pt", weights_only=True)
+    raw = torch.load(tmp_path / "ck.pt", weights_only=True)  # plain torch reads it
     assert all(v.device.type == "cpu" for v in raw.values())  # saved from the host
+    assert set(raw) == {*mpfunc.state_dict(tree), "__mpfunc_manifest__"}
+    assert raw["__mpfunc_manifest__"].dtype == torch.uint8
     back = mpfunc.load(tmp_path / "ck.pt", like=tree)
     assert_trees_bits_equal(back, tree)
     for a in optree.tree_leaves(back, namespace="mpfunc"):
@@ -111,15 +113,24 @@ def _bad_files(tmp_path: pathlib.Path, good: pathlib.Path) -> dict[str, pathlib.
     other = Run(torch.device("cpu"), "sgd", False)  # another model's state: other keys
     files["other-keys"] = tmp_path / "other.pt"
     mpfunc.save(files["other-keys"], other.tree())
-    sd = torch.load(good, weights_only=True)
+    # Files of the same tree with one entry changed, written (and checksummed) by mpfunc:
+    # a flat dict's dotted keys are its paths.
+    sd = _raw(good)
     sd["masters.0.weight"] = torch.zeros(5, 5)
     files["other-shape"] = tmp_path / "shape.pt"
-    torch.save(sd, files["other-shape"])
-    sd = torch.load(good, weights_only=True)
+    mpfunc.save(files["other-shape"], sd)
+    sd = _raw(good)
     sd["opt.exp_avg.0.weight"] = sd["opt.exp_avg.0.weight"].double()
     files["wrong-dtype"] = tmp_path / "dtype.pt"
-    torch.save(sd, files["wrong-dtype"])
+    mpfunc.save(files["wrong-dtype"], sd)
     return files
+
+
+def _raw(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors, read with plain torch.load, without mpfunc's manifest."""
+    sd = torch.load(path, weights_only=True)
+    del sd["__mpfunc_manifest__"]
+    return sd
 
 
 @pytest.mark.parametrize(

@@ -1,23 +1,36 @@
 """Loss scaling, step skipping and fault injection.
 
-References: torch's own GradScaler update kernel (``torch._amp_update_scale_``)
-for the dynamic scale's rules, and an uninterrupted run for fault injection.
+References: torch's own GradScaler update kernel (``torch._amp_update_scale_``) and a
+plain-Python model of the rules for the dynamic scale, and an uninterrupted run for
+fault injection.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
+import math
+import pickle
+import re
+import struct
 from typing import Any
 
 import optree
 import pytest
 import torch
+from error_table import call, check_row, row
 from helpers import assert_bits_equal, assert_trees_bits_equal, assert_unchanged, snapshot
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from strategies import realize, specs
 
 import mpfunc
+from mpfunc import _tree
+
+F32_MAX = torch.finfo(torch.float32).max
+F32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, 2**-126
+COUNT_MAX = 2**31 - 1
 
 
 def _sync(device: torch.device) -> None:
@@ -25,6 +38,33 @@ def _sync(device: torch.device) -> None:
         import torch_xla
 
         torch_xla.sync()
+
+
+def _fields(s: Any) -> dict[str, Any]:
+    return {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+
+
+def assert_same_state(a: Any, b: Any) -> None:
+    """Same class and every dataclass field equal: tensors bit for bit (dtype included)."""
+    assert type(a) is type(b)
+    fa, fb = _fields(a), _fields(b)
+    assert fa.keys() == fb.keys()
+    for name, x in fa.items():
+        y = fb[name]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), name
+            assert_bits_equal(x.cpu(), y.cpu())
+        else:
+            assert type(x) is type(y) and x == y, (name, x, y)
+
+
+def with_state(s: Any, **tensors: Any) -> Any:
+    """``s`` with other tensors, through the tree rules (as a checkpoint load builds it)."""
+    leaves, spec = _tree.flatten(s)
+    return _tree.unflatten(spec, [tensors.get(n, t) for n, t in zip(_tree.leaf_paths(s), leaves)])
+
+
+# --- the rules, against torch and against a plain-Python model ---------------------------
 
 
 @settings(max_examples=40)
@@ -63,32 +103,385 @@ def test_growth_never_overflows() -> None:
     assert float(s.loss_scale) == 2.0**127
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: mpfunc.StaticLossScale(128.0),
-        lambda: mpfunc.DynamicLossScale(2.0**10, 7, 4.0, 0.25, 2.0),
-    ],
-    ids=["static", "dynamic"],
+def _f32(x: float) -> float:
+    """x rounded to float32 (to nearest even; inf past the largest float32)."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def model_adjust(
+    scale: float, counter: int, finite: bool, s: mpfunc.DynamicLossScale
+) -> tuple[float, int]:
+    """The rules in plain Python, each product rounded to float32 as the device rounds it."""
+    if not finite:
+        backed = _f32(scale * _f32(s.backoff_factor))
+        return max(backed, _f32(max(s.min_scale, F32_TINY))), 0
+    count = min(counter + 1, COUNT_MAX)  # saturates, never wraps
+    if count >= s.growth_interval:  # never true past COUNT_MAX
+        grown = _f32(scale * _f32(s.growth_factor))
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, count
+
+
+def _factor(low: float, high: float) -> st.SearchStrategy[float]:
+    """Factors strictly inside (low, high): float32 values (which torch's kernel, computing
+    in float64, rounds the same way), any float, and the usual ones."""
+    inside: dict[str, Any] = dict(min_value=low, max_value=high, exclude_min=True, exclude_max=True)
+    return st.one_of(
+        st.floats(**inside, width=32), st.floats(**inside), st.sampled_from([2.0, 0.5, 0.25, 4.0])
+    ).filter(lambda v: low < v < high)
+
+
+@settings(max_examples=300)
+@given(
+    init=st.floats(F32_TINY, F32_MAX, width=32),
+    min_frac=st.one_of(st.just(0.0), st.just(1.0), st.floats(0, 1)),
+    interval=st.one_of(st.integers(1, 6), st.sampled_from([COUNT_MAX, 2**31, 2**40, 2**100])),
+    growth=_factor(1.0, F32_MAX),
+    backoff=_factor(0.0, 1.0),
+    start=st.floats(0, 1),
+    finite=st.lists(st.booleans(), max_size=60),
 )
-def test_every_field_survives_flatten_and_save(make: Any) -> None:
-    """The jmp lesson: every field, settings included, survives optree flatten/unflatten
-    (in mpfunc's namespace) and torch.save/load."""
-    s = make().adjust(torch.tensor(False)).adjust(torch.tensor(True))
-    flat, spec = optree.tree_flatten(s, namespace="mpfunc")
-    assert all(isinstance(x, torch.Tensor) for x in flat)
-    again = optree.tree_unflatten(spec, flat)
-    mapped = optree.tree_map(lambda t: t.clone(), s, namespace="mpfunc")
-    buf = io.BytesIO()
-    torch.save(s, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    for other in (again, mapped, loaded):
-        assert type(other) is type(s)
+def test_dynamic_scale_follows_the_model_and_torch_and_stays_in_range(
+    init: float,
+    min_frac: float,
+    interval: int,
+    growth: float,
+    backoff: float,
+    start: float,
+    finite: list[bool],
+) -> None:
+    """Any settings the constructor accepts, any sequence of finite/non-finite steps: the
+    scale stays finite, > 0 and within [min_scale, float32 max], and every step equals the
+    plain-Python model bit for bit, and torch's GradScaler kernel wherever its rules apply
+    (float32 factors, no floor reached, no counter at the int32 limit, an interval
+    that fits its int64 argument)."""
+    assume(_f32(growth) > 1.0 and 0.0 < _f32(backoff) < 1.0)
+    s = mpfunc.DynamicLossScale(init, interval, growth, backoff, min_scale=init * min_frac)
+    # Start the counter anywhere below the interval, up to the int32 limit.
+    counter = int(start * (min(interval, COUNT_MAX) - 1))
+    s = with_state(s, counter=torch.tensor(counter, dtype=torch.int32))
+    scale = init
+    floor = _f32(max(s.min_scale, F32_TINY))
+    for ok in finite:
+        s = s.adjust(torch.tensor(ok))
+        want = model_adjust(scale, counter, ok, s)
+        assert (float(s.loss_scale), int(s.counter)) == want
+        assert s.loss_scale.dtype == torch.float32 and s.counter.dtype == torch.int32
+        assert math.isfinite(want[0]) and 0 < floor <= want[0] <= F32_MAX
+        # torch's kernel from the same state, where its rules are ours.
+        floored = not ok and _f32(scale * _f32(backoff)) < floor
+        f32_factors = _f32(growth) == growth and _f32(backoff) == backoff
+        if f32_factors and counter < COUNT_MAX and interval < 2**63:
+            t_scale = torch.tensor([scale])
+            tracker = torch.tensor([counter], dtype=torch.int32)
+            found_inf = torch.tensor([0.0 if ok else 1.0])
+            torch._amp_update_scale_(t_scale, tracker, found_inf, growth, backoff, interval)
+            if not floored:
+                assert (float(t_scale[0]), int(tracker[0])) == want
+        scale, counter = want
+
+
+@pytest.mark.parametrize("interval", [2**31, 2**40])
+def test_a_huge_growth_interval_never_grows(interval: int) -> None:
+    """growth_interval >= 2**31 once compared an int32 counter with a wrapped int and grew
+    on every step. Now it never grows, as torch's kernel, and the counter saturates
+    instead of wrapping."""
+    s = mpfunc.DynamicLossScale(2.0**10, growth_interval=interval)
+    scale, tracker = torch.tensor([2.0**10]), torch.zeros(1, dtype=torch.int32)
+    for _ in range(20):
+        s = s.adjust(torch.tensor(True))
+        torch._amp_update_scale_(scale, tracker, torch.tensor([0.0]), 2.0, 0.5, interval)
+        assert float(s.loss_scale) == float(scale[0]) == 2.0**10
+        assert int(s.counter) == int(tracker[0])
+    s = with_state(s, counter=torch.tensor(COUNT_MAX - 1, dtype=torch.int32))
+    for _ in range(3):
+        s = s.adjust(torch.tensor(True))
+        assert float(s.loss_scale) == 2.0**10 and int(s.counter) == COUNT_MAX
+    s = s.adjust(torch.tensor(False))
+    assert float(s.loss_scale) == 2.0**9 and int(s.counter) == 0
+
+
+def test_the_largest_int32_interval_still_grows() -> None:
+    s = mpfunc.DynamicLossScale(2.0**10, growth_interval=COUNT_MAX)
+    s = with_state(s, counter=torch.tensor(COUNT_MAX - 2, dtype=torch.int32))
+    s = s.adjust(torch.tensor(True))
+    assert (float(s.loss_scale), int(s.counter)) == (2.0**10, COUNT_MAX - 1)
+    s = s.adjust(torch.tensor(True))
+    assert (float(s.loss_scale), int(s.counter)) == (2.0**11, 0)
+
+
+def test_min_scale_zero_never_reaches_zero() -> None:
+    """min_scale=0: a long run of overflows stops at the smallest normal float32, never at
+    0, where unscaling would divide 0 by 0 (GradScaler's scale reaches 0 here)."""
+    s = mpfunc.DynamicLossScale(1.0, min_scale=0.0)
+    for _ in range(300):
+        s = s.adjust(torch.tensor(False))
+    assert float(s.loss_scale) == F32_TINY
+    g32 = mpfunc.grads_to_fp32({"w": torch.zeros(3, dtype=torch.bfloat16)}, scale=s)
+    assert bool(mpfunc.all_finite(g32))
+    s = s.adjust(torch.tensor(True)).adjust(torch.tensor(True))
+    assert float(s.loss_scale) == F32_TINY  # growth_interval 2000: not yet
+
+
+def test_min_scale_equal_to_init_scale_holds_the_scale() -> None:
+    s = mpfunc.DynamicLossScale(8.0, min_scale=8.0, growth_interval=1)
+    for ok in [False, False, True, False]:
+        s = s.adjust(torch.tensor(ok))
+    assert float(s.loss_scale) == 8.0
+
+
+def test_adjust_returns_a_new_state_and_changes_nothing() -> None:
+    s = mpfunc.DynamicLossScale(2.0**4, growth_interval=1)
+    before = snapshot(s)
+    t = s.adjust(torch.tensor(True))
+    assert t is not s and float(t.loss_scale) == 2.0**5
+    assert_unchanged(s, before)
+    assert float(s.loss_scale) == 2.0**4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.loss_scale = torch.tensor(1.0)  # type: ignore[misc]
+    static = mpfunc.StaticLossScale(3.0)
+    assert static.adjust(torch.tensor(False)) is static
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        static.loss_scale = torch.tensor(1.0)  # type: ignore[misc]
+
+
+# --- settings ----------------------------------------------------------------------------
+
+D, S = "DynamicLossScale", "StaticLossScale"
+DLS, SLS = mpfunc.DynamicLossScale, mpfunc.StaticLossScale
+
+
+def _f32_name(name: str, value: str) -> str:
+    return re.escape(f"{name} ({value} in float32)")
+
+
+SETTINGS_ROWS = [
+    row("init_scale-1e39", lambda: call(DLS, 1e39), ValueError,
+        rf"^{D}: {_f32_name('init_scale', '1e+39')}: expected a finite float >= 1\.17549e-38, "
+        r"got inf$"),
+    row("init_scale-subnormal", lambda: call(DLS, 1e-40), ValueError,
+        rf"^{D}: {_f32_name('init_scale', '1e-40')}: expected a finite float >= 1\.17549e-38, "
+        r"got 9\.99"),
+    row("init_scale-0-tensor", lambda: call(DLS, torch.tensor(0.0)), ValueError,
+        rf"^{D}: init_scale: expected a finite float > 0, got 0\.0$"),
+    row("init_scale-inf-float64-tensor", lambda: call(DLS, torch.tensor(1e39, dtype=torch.float64)),
+        ValueError, rf"^{D}: {_f32_name('init_scale', '1e+39')}: expected a finite float"),
+    row("init_scale-int-tensor", lambda: call(DLS, torch.tensor(4)), TypeError,
+        rf"^{D}: init_scale: expected a finite float > 0 or a 0-d float tensor, got "
+        r"torch\.int64 tensor of shape \(\) on cpu$"),
+    row("growth_interval-2.0", lambda: call(DLS, growth_interval=2.0), TypeError,
+        rf"^{D}: growth_interval: expected an int >= 1, got 2\.0$"),
+    row("growth_interval-True", lambda: call(DLS, growth_interval=True), TypeError,
+        rf"^{D}: growth_interval: expected an int >= 1, got True$"),
+    row("growth_factor-inf", lambda: call(DLS, growth_factor=math.inf), ValueError,
+        rf"^{D}: growth_factor: expected a finite float > 1, got inf$"),
+    row("growth_factor-1e39", lambda: call(DLS, growth_factor=1e39), ValueError,
+        rf"^{D}: {_f32_name('growth_factor', '1e+39')}: expected a finite float > 1, got inf$"),
+    row("growth_factor-1+1e-9", lambda: call(DLS, growth_factor=1 + 1e-9), ValueError,
+        rf"^{D}: {_f32_name('growth_factor', '1.000000001')}: expected a finite float > 1, "
+        r"got 1\.0$"),
+    row("growth_factor-0.5", lambda: call(DLS, growth_factor=0.5), ValueError,
+        rf"^{D}: growth_factor: expected a finite float > 1, got 0\.5$"),
+    row("backoff_factor-1-1e-9", lambda: call(DLS, backoff_factor=1 - 1e-9), ValueError,
+        rf"^{D}: {_f32_name('backoff_factor', '0.999999999')}: expected a float in \(0, 1\), "
+        r"got 1\.0$"),
+    row("backoff_factor-1e-50", lambda: call(DLS, backoff_factor=1e-50), ValueError,
+        rf"^{D}: {_f32_name('backoff_factor', '1e-50')}: expected a float in \(0, 1\), "
+        r"got 0\.0$"),
+    row("backoff_factor-nan", lambda: call(DLS, backoff_factor=math.nan), ValueError,
+        rf"^{D}: backoff_factor: expected a float in \(0, 1\), got nan$"),
+    row("min_scale-above-init_scale", lambda: call(DLS, 2.0**10, min_scale=2.0**11), ValueError,
+        rf"^{D}: min_scale: expected a float <= init_scale \(1024\.0\), got 2048\.0$"),
+    row("min_scale-inf", lambda: call(DLS, min_scale=math.inf), ValueError,
+        rf"^{D}: min_scale: expected a finite float >= 0, got inf$"),
+    row("min_scale-str", lambda: call(DLS, min_scale="1"), TypeError,
+        rf"^{D}: min_scale: expected a float >= 0, got str$"),
+    row("static-1e39", lambda: call(SLS, 1e39), ValueError,
+        rf"^{S}: {_f32_name('scale', '1e+39')}: expected a finite float >= 1\.17549e-38, "
+        r"got inf$"),
+    row("static-nan-tensor", lambda: call(SLS, torch.tensor(math.nan)), ValueError,
+        rf"^{S}: scale: expected a finite float > 0, got nan$"),
+    row("static-adjust-float-flag", lambda: call(SLS(2.0).adjust, torch.tensor(1.0)), TypeError,
+        r"^StaticLossScale\.adjust: finite: expected a 0-d bool tensor, got torch\.float32 "
+        r"tensor of shape \(\) on cpu$"),
+    row("grads_to_fp32-scale-1e39",
+        lambda: call(mpfunc.grads_to_fp32, {"w": torch.ones(2)}, scale=1e39), ValueError,
+        rf"^grads_to_fp32: {_f32_name('scale', '1e+39')}: expected a finite float >= "),
+    row("grads_to_fp32_-scale-1e-40",
+        lambda: call(mpfunc.grads_to_fp32_, {"w": torch.ones(2)}, {"w": torch.ones(2)},
+                     scale=1e-40), ValueError,
+        rf"^grads_to_fp32_: {_f32_name('scale', '1e-40')}: expected a finite float >= "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "exc", "regex"), SETTINGS_ROWS)
+def test_bad_setting_is_refused(make: Any, exc: type[Exception], regex: str) -> None:
+    """Settings that were accepted but broke training, and their float32 edges: refused in
+    the house form, with every tensor passed in left as it was."""
+    check_row(make, exc, regex)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(init_scale=F32_MAX, min_scale=F32_MAX),
+        dict(init_scale=F32_TINY, min_scale=0.0),
+        dict(min_scale=0.0),
+        dict(growth_interval=1),
+        dict(growth_interval=COUNT_MAX),
+        dict(growth_interval=2**31),
+        dict(growth_interval=2**100),
+        dict(growth_factor=F32_MAX, backoff_factor=2.0**-149),
+        dict(init_scale=torch.tensor(3.0, dtype=torch.float64)),
+    ],
+    ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()),
+)
+def test_edge_settings_are_accepted(kwargs: dict[str, Any]) -> None:
+    s = mpfunc.DynamicLossScale(**kwargs)
+    for ok in [True, False, True, True, False]:
+        s = s.adjust(torch.tensor(ok))
+        assert math.isfinite(float(s.loss_scale)) and float(s.loss_scale) > 0
+
+
+# --- the state as a tree, a checkpoint and a pickle ---------------------------------------
+
+
+def _states() -> list[Any]:
+    """Both classes, with every setting off its default and moved tensors."""
+    return [
+        mpfunc.StaticLossScale(128.0),
+        mpfunc.DynamicLossScale(2.0**10, 7, 4.0, 0.25, 2.0)
+        .adjust(torch.tensor(False))
+        .adjust(torch.tensor(True)),
+    ]
+
+
+@pytest.mark.parametrize("s", _states(), ids=["static", "dynamic"])
+def test_every_field_survives_the_tree_rules(s: Any) -> None:
+    """The jmp lesson (its flatten forgot a field): each field, settings included, is
+    either a child or metadata, and survives flatten/unflatten, tree maps (even to
+    non-tensors and back), copies and ``to``."""
+    leaves, spec = _tree.flatten(s)
+    assert all(isinstance(t, torch.Tensor) for t in leaves)
+    tensors = [n for n, v in _fields(s).items() if isinstance(v, torch.Tensor)]
+    assert _tree.leaf_paths(s) == tensors
+    as_none = optree.tree_map(lambda t: None, s, namespace="mpfunc")
+    copies = [
+        _tree.unflatten(spec, leaves),
+        _tree.unflatten(_tree.flatten(as_none)[1], leaves),  # through non-tensor children
+        _tree.map_tensors(lambda t: t.clone(), s),
+        optree.tree_map(lambda t: t + 0, s, namespace="mpfunc"),
+        copy.deepcopy(s),
+        copy.copy(s),
+        pickle.loads(pickle.dumps(s)),
+        s.to("cpu"),
+    ]
+    for other in copies:
+        assert_same_state(other, s)
         assert repr(other) == repr(s)
-        for name in type(s).__slots__:
-            a, b = getattr(s, name), getattr(other, name)
-            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_each_setting_is_in_the_tree_structure() -> None:
+    """jmp's forgotten field was a setting: here changing any setting changes the spec."""
+    base: dict[str, Any] = dict(
+        init_scale=2.0**10, growth_interval=7, growth_factor=4.0, backoff_factor=0.25, min_scale=2.0
+    )
+    spec = _tree.flatten(DLS(**base))[1]
+    assert _tree.flatten(DLS(**{**base, "init_scale": 2.0**9}))[1] == spec  # a child's value
+    for name, value in [
+        ("growth_interval", 8),
+        ("growth_factor", 3.0),
+        ("backoff_factor", 0.5),
+        ("min_scale", 1.0),
+    ]:
+        assert _tree.flatten(DLS(**{**base, name: value}))[1] != spec, name
+
+
+@pytest.mark.parametrize("s", _states(), ids=["static", "dynamic"])
+def test_torch_load_weights_only_reads_them(s: Any) -> None:
+    """torch.save of the state (alone, or inside a dict) reads back with
+    ``torch.load(weights_only=True)``, every field kept."""
+    for obj in (s, {"scaler": s, "step": 3}):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=True)
+        assert_same_state(loaded if obj is s else loaded["scaler"], s)
+
+
+def test_checkpoint_round_trip(device: torch.device, tmp_path: Any) -> None:
+    """The tensors go through state_dict, save and load like every other state; the
+    settings come from the ``like`` tree."""
+    dynamic = mpfunc.DynamicLossScale(2.0**10, 3, 4.0, 0.25, 2.0, device=device)
+    for ok in [True, False, True, True]:  # 256, counter 2
+        dynamic = dynamic.adjust(torch.tensor(ok, device=device))
+    tree = {"scale": dynamic, "static": mpfunc.StaticLossScale(512.0).to(device)}
+    _sync(device)
+    sd = mpfunc.state_dict(tree)
+    assert sorted(sd) == ["scale.counter", "scale.loss_scale", "static.loss_scale"]
+    like = {
+        "scale": mpfunc.DynamicLossScale(2.0**10, 3, 4.0, 0.25, 2.0, device=device),
+        "static": mpfunc.StaticLossScale(1.0).to(device),
+    }
+    mpfunc.save(tmp_path / "ckpt.pt", tree)
+    loaded = mpfunc.load(tmp_path / "ckpt.pt", like)
+    _sync(device)
+    assert loaded["scale"].loss_scale.device == device
+    assert_same_state(loaded["scale"], dynamic)
+    assert_same_state(loaded["static"], tree["static"])
+    again = mpfunc.load_state_dict(like, sd)
+    assert_same_state(again["scale"], dynamic)
+    # The loaded state goes on as the saved one would.
+    flag = torch.tensor(True, device=device)
+    a, b = loaded["scale"].adjust(flag), dynamic.adjust(flag)
+    _sync(device)
+    assert_same_state(a, b)
+    assert float(a.loss_scale.cpu()) == 2.0**10  # counter 2 was restored: the 3rd grows
+
+
+# --- devices ------------------------------------------------------------------------------
+
+
+CONFIGS = {
+    # factors float32 does not hold exactly, and a floor the backoff reaches
+    "rounding-floor": (dict(init_scale=3.0, growth_interval=2, growth_factor=1.1,
+                            backoff_factor=0.3, min_scale=0.2), [1, 1, 0, 0, 0, 1, 1, 1, 0, 1]),
+    "huge-interval": (dict(init_scale=2.0**10, growth_interval=2**40),
+                      [1, 1, 1, 0, 1, 1, 1, 1, 1, 1]),
+    "floor-zero": (dict(init_scale=2.0**-120, growth_interval=3, min_scale=0.0),
+                   [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_adjust_on_device_matches_cpu_without_a_host_read(device: torch.device, name: str) -> None:
+    """A few adjusts on the device, one sync, then the bits equal the CPU run's. On XLA,
+    nothing is transferred or executed before the sync: adjust never waits on the host."""
+    kwargs, steps = CONFIGS[name]
+    cpu = mpfunc.DynamicLossScale(**kwargs)
+    dev = mpfunc.DynamicLossScale(**kwargs, device=device)
+    flags = [torch.tensor(bool(ok), device=device) for ok in steps]
+    if device.type == "xla":
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        torch_xla.sync()
+        xm.wait_device_ops()
+        met.clear_all()
+    for ok, flag in zip(steps, flags):
+        cpu = cpu.adjust(torch.tensor(bool(ok)))
+        dev = dev.adjust(flag)
+    if device.type == "xla":
+        assert met.metric_data("TransferFromDeviceTime") is None
+        assert met.metric_data("ExecuteTime") is None
+    _sync(device)
+    assert dev.loss_scale.device == device
+    assert_same_state(dev, cpu)
+    assert float(cpu.loss_scale) >= _f32(max(kwargs.get("min_scale", 1.0), F32_TINY))
 
 
 @given(data=st.data(), log2=st.integers(-8, 24))

@@ -17,8 +17,11 @@ What works with torch_xla 2.9.0 on a CPU-only machine, and how it is run here:
      collective_op_kind=cross_replica, op_id=0}` of 10 seconds exceeded. Exiting to
      ensure a consistent program state. Expected 2 threads to join the rendezvous,
      but only 1 of them arrived on time.`` (the failure first seen with
-     ``xmp.spawn``). Tracing and ``torch_xla.sync()`` under one lock makes the
-     second thread hit the compile cache and run the same executable.
+     ``xmp.spawn``). ``torch_xla.sync()`` under one lock makes the second thread
+     hit the compile cache and run the same executable. Tracing stays outside the
+     lock: the first ``all_reduce_grads`` of each tree compares the participants'
+     trees, which waits for the peer to make the same call (mpfunc serializes that
+     exchange's own compile).
   2. A thread's next step (its transfers and ``sync()``) waits for its previous
      graph to finish, and that graph's all-reduce waits for the peer; so a thread
      must not hold the lock of catch 1 while the peer has yet to launch the same
@@ -170,19 +173,22 @@ def _two_device_fn(index: int, out_dir: str) -> None:
             barrier.wait()  # both threads warmed up
             info["before"] = (count("CompileTime"), count("TransferFromDeviceTime"))
             barrier.wait()
-        # Catch 1: one thread traces and compiles at a time, so both run one executable.
+        # Tracing runs in both threads at once: the first call of each case compares the
+        # participants' trees (mpfunc's fingerprint exchange), which waits for the peer's
+        # same call, so no lock may be held across it.
+        grads = {c: to(case_inputs(c, rank, step), dev) for c in CASES}
+        before = fallbacks()
+        res = {c: leaves(run_case(c, grads[c])) for c in CASES}
+        after = fallbacks()
+        for n, v in after.items():
+            if v != before.get(n, 0):
+                info["mpfunc_fallbacks"][n] = v - before.get(n, 0)
+        if step == 0:
+            live = [t for c in CASES for t in res[c] if t is not None]
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo(live)
+            info["all_reduces"] = hlo.count(" all-reduce(")
+        # Catch 1: one thread compiles at a time, so both run one executable.
         with _LOCK:
-            grads = {c: to(case_inputs(c, rank, step), dev) for c in CASES}
-            before = fallbacks()
-            res = {c: leaves(run_case(c, grads[c])) for c in CASES}
-            after = fallbacks()
-            for n, v in after.items():
-                if v != before.get(n, 0):
-                    info["mpfunc_fallbacks"][n] = v - before.get(n, 0)
-            if step == 0:
-                live = [t for c in CASES for t in res[c] if t is not None]
-                hlo = torch_xla._XLAC._get_xla_tensors_hlo(live)
-                info["all_reduces"] = hlo.count(" all-reduce(")
             torch_xla.sync()
         # Catch 2: both threads launch step k before either starts step k + 1. (A
         # thread that took the lock first would wait, holding it, for its step k to
@@ -195,9 +201,9 @@ def _two_device_fn(index: int, out_dir: str) -> None:
     host = [{c: [None if t is None else t.cpu() for t in res[c]] for c in CASES} for res in outs]
 
     # Catch 3, last because it is an error: bf16 reduced in bf16.
+    bf = to(case_inputs("bf16_inplace_fp32", rank, 0), dev)
+    kept = mpfunc.all_reduce_grads(bf)  # kept alive, so sync() compiles it
     with _LOCK:
-        bf = to(case_inputs("bf16_inplace_fp32", rank, 0), dev)
-        kept = mpfunc.all_reduce_grads(bf)  # kept alive, so sync() compiles it
         try:
             torch_xla.sync()
             info["bf16_error"] = None
