@@ -407,7 +407,12 @@ def check_leaf_dtypes(fn: str, side: Side, dtypes: Sequence[torch.dtype], what: 
 def _overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory (an expanded, stride-0 tensor, or an
     ``as_strided`` view folding onto itself). Lazy devices (XLA) have no addresses."""
-    if t.device.type in ("xla", "lazy", "meta") or t.is_contiguous() or t.numel() <= 1:
+    if _no_address(t):
+        # XLA reports an expanded view's strides as contiguous; a view holding more
+        # elements than the tensor it views must repeat some of them.
+        base = t._base
+        return base is not None and t.numel() > base.numel()
+    if t.is_contiguous() or t.numel() <= 1:
         return False
     # Sorted by stride, each dimension must step past everything the smaller ones reach.
     reach = 0
@@ -433,10 +438,25 @@ def check_writable(fn: str, sides: Sequence[Side]) -> None:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[start, end)`` that ``t``'s elements can touch."""
-    start = t.data_ptr()
+    if t.is_contiguous():
+        start = t.data_ptr()
+        return start, start + t.nbytes
+    size = t.element_size()
+    low = t.data_ptr() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0) * size
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    low = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0) * t.element_size()
-    return low, low + extent * t.element_size()
+    return low, low + extent * size
+
+
+def _no_address(t: torch.Tensor) -> bool:
+    # ``is_xla`` is far cheaper than ``t.device.type``: no device object is built.
+    return bool(t.is_xla) or t.is_meta  # type: ignore[attr-defined]
+
+
+def _root(t: torch.Tensor) -> int:
+    """Without addresses (XLA), what a tensor's memory is: the tensor it views, or itself.
+    Two slices of one tensor count as sharing it, even where they do not overlap."""
+    base = t._base
+    return id(base if base is not None else t)
 
 
 def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) -> None:
@@ -445,33 +465,55 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
     Two names for one tensor (tied weights listed twice, a view of another leaf) would
     each get their own master and state, and whichever is written last would win:
     one name's update would be lost with no error. On eager devices memory ranges are
-    compared; on XLA, where tensors have no addresses, tensor identity is.
+    compared; on XLA, where tensors have no addresses, the viewed tensor's identity is.
+
+    The common case (no overlap at all) costs a few attribute reads per tensor and one
+    sort of nearly sorted addresses; only when some ranges overlap does the exact sweep
+    run, which tells a harmless overlap of two read-only leaves from one that a write
+    would break.
     """
+    sides = (*written, *read)
+    tensors = [t for side in sides for t in side.leaves if t is not None]
+    lazy = [_root(t) for t in tensors if _no_address(t)]
+    if lazy:
+        if len(set(lazy)) != len(lazy):
+            _sweep(fn, written, read)
+        tensors = [t for t in tensors if not _no_address(t)]
+    spans = sorted(sp for sp in map(_span, tensors) if sp[1] > sp[0])
+    reach = -1
+    for start, end in spans:
+        if start < reach:
+            _sweep(fn, written, read)
+            return
+        if end > reach:
+            reach = end
+
+
+def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
+    """The exact check, on the rare path: raises for the first overlap involving a write."""
     spans: list[tuple[int, int, int, int, bool]] = []  # start, end, side, leaf, written
     ids: dict[int, tuple[int, int, bool]] = {}
-    for s, side in enumerate((*written, *read)):
+    sides = (*written, *read)
+    for s, side in enumerate(sides):
         is_written = s < len(written)
         for i, t in enumerate(side.leaves):
             if t is None or t.numel() == 0:
                 continue
-            if t.device.type in ("xla", "lazy", "meta"):
-                prev = ids.setdefault(id(t), (s, i, is_written))
+            if _no_address(t):
+                prev = ids.setdefault(_root(t), (s, i, is_written))
                 if prev != (s, i, is_written) and (prev[2] or is_written):
-                    _alias(fn, (*written, *read), prev[:2], (s, i))
+                    _alias(fn, sides, prev[:2], (s, i))
                 continue
             start, end = _span(t)
             spans.append((start, end, s, i, is_written))
-    if len(spans) < 2:
-        return
     spans.sort()
-    # Sweep: track the open range reaching furthest, and the furthest-reaching written one.
+    # Track the open range reaching furthest, and the furthest-reaching written one.
     far: tuple[int, int, int, int, bool] | None = None
     far_w: tuple[int, int, int, int, bool] | None = None
     for cur in spans:
         start, end, _, _, is_written = cur
         other = far_w if not is_written else far
         if other is not None and other[1] > start:
-            sides = (*written, *read)
             _alias(fn, sides, other[2:4], cur[2:4])
         if far is None or end > far[1]:
             far = cur

@@ -68,7 +68,7 @@ def grads_to_fp32(grads: Any, dtype: torch.dtype | None = None, *, scale: ScaleA
     side, spec = _check_grads(fn, grads)
     with torch.no_grad():
         out = [
-            None if g is None else g.detach().to(dtype=master_dtype_for(g, dtype), copy=True)
+            None if g is None else _plan.fresh_copy(g, master_dtype_for(g, dtype))
             for g in side.leaves
         ]
         _unscale_([t for t in out if t is not None], divisor)

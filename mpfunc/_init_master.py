@@ -8,6 +8,7 @@ import torch
 
 from mpfunc import _checks, _tree
 from mpfunc._checks import Side
+from mpfunc._plan import fresh_copy
 
 __all__ = ["check_params", "init_master", "master_dtype_for"]
 
@@ -42,13 +43,6 @@ def check_params(fn: str, side: Side, dtype: torch.dtype | None) -> None:
     # Only floating leaves get masters and are written back; int buffers may share memory.
     floating = [p if p is not None and p.is_floating_point() else None for p in side.leaves]
     _checks.check_no_alias(fn, written=[side._replace(leaves=floating)])
-
-
-def _copy(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    # A new buffer, filled by copy_: on XLA, .to(copy=True) of an unchanged dtype can
-    # share the device buffer with the param, which the first in-place step then donates.
-    out = torch.empty_like(p, dtype=master_dtype_for(p, dtype), memory_format=torch.preserve_format)
-    return out.copy_(p.detach())
 
 
 def init_master(params: Any, dtype: torch.dtype | None = None) -> Any:
@@ -87,7 +81,7 @@ def init_master(params: Any, dtype: torch.dtype | None = None) -> Any:
     check_params(fn, side, dtype)
     with torch.no_grad():
         masters = [
-            _copy(p, master_dtype_for(p, dtype))
+            fresh_copy(p, master_dtype_for(p, dtype))
             if p is not None and p.is_floating_point()
             else None
             for p in side.leaves

@@ -47,10 +47,7 @@ def masters_to_model(masters: Any, params: Any) -> Any:
     """
     m, p, spec = _check("masters_to_model", masters, params)
     with torch.no_grad():
-        out = [
-            q if t is None else t.detach().to(dtype=q.dtype, copy=True)
-            for t, q in zip(m.leaves, p.leaves)
-        ]
+        out = [q if t is None else _plan.fresh_copy(t, q.dtype) for t, q in zip(m.leaves, p.leaves)]
     return _tree.unflatten(spec, out)
 
 

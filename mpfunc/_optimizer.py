@@ -42,12 +42,14 @@ class Step(NamedTuple):
     spec: PyTreeSpec
     grads: Side
     skip: torch.Tensor | None  # 0-d bool: when true, the step changes nothing
+    state_name: str = "state"  # how errors name the state: "state['decay']" in a partition
 
-    def only(self, keep: list[bool]) -> Step:
+    def only(self, keep: list[bool], state_name: str) -> Step:
         """The same step over the leaves where ``keep`` is true (others become ``None``):
-        what one sub-optimizer of a ``partition`` sees."""
+        what one sub-optimizer of a ``partition`` sees, its state named ``state_name``."""
         m, g = self.masters, self.grads
         return self._replace(
+            state_name=state_name,
             masters=m._replace(leaves=[x if k else None for x, k in zip(m.leaves, keep)]),
             grads=g._replace(leaves=[x if k else None for x, k in zip(g.leaves, keep)]),
         )

@@ -98,6 +98,8 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
             for name, opt in opts.items()
         }
 
+    functional = all(opt.functional for opt in opts.values())
+
     def plan(step: Step, state: Any, where: str) -> list[Work]:
         if not isinstance(state, dict) or set(state) != set(opts):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -108,8 +110,12 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         labs = label_list(where, step.masters, step.spec)
         work: list[Work] = []
         for name, opt in opts.items():  # every sub-plan checks before anything runs
-            work += opt.plan(step.only([lab == name for lab in labs]), state[name], where)
+            sub = step.only([lab == name for lab in labs], f"state[{name!r}]")
+            work += opt.plan(sub, state[name], where)
+        if functional:  # (a torch.optim state is no tree of tensors)
+            # Each sub-plan checks aliasing among its own leaves; across labels too, once.
+            everything, _ = _checks.tensor_leaves(where, "state", state)
+            _checks.check_no_alias(where, written=[step.masters, everything], read=[step.grads])
         return work
 
-    functional = all(opt.functional for opt in opts.values())
     return Optimizer(init=init, plan=plan, functional=functional, name=fn)

@@ -38,6 +38,7 @@ __all__ = [
     "copy_grouped_",
     "elementwise",
     "fields_from",
+    "fresh_copy",
     "fused_supported",
     "group_indices",
     "is_lazy",
@@ -136,16 +137,38 @@ def pick(seq: Sequence[Any], idx: Sequence[int]) -> list[Any]:
     return [seq[i] for i in idx]
 
 
+def fresh_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A detached copy of ``t`` in ``dtype`` and ``t``'s layout, in a buffer of its own on
+    every device.
+
+    On XLA, ``copy_`` and ``.to(copy=True)`` of an unchanged dtype leave the copy holding
+    the source's device data; the first in-place write of either then donates that
+    buffer, and reading the other fails ("Trying to access XLA data ... while an async
+    operation is in flight"). ``clone`` and a dtype conversion trace a real node.
+    """
+    t = t.detach()
+    if t.dtype == dtype:
+        return t.clone(memory_format=torch.preserve_format)
+    return t.to(dtype=dtype, copy=True)
+
+
 def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for all i, one foreach call per (device, dtype, dtype) group.
 
     ``copy_`` rounds to nearest even exactly as ``Tensor.to`` does, and pairs elements
-    by index whatever the two layouts are.
+    by index whatever the two layouts are. On XLA a same-dtype pair copies from a view,
+    so that ``dst`` never shares ``src``'s device buffer (see ``fresh_copy``).
     """
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     with torch.no_grad():
-        for idx in group_indices(keys).values():
-            torch._foreach_copy_(pick(dst, idx), pick(src, idx))
+        for (device, to, of), idx in group_indices(keys).items():
+            sources = pick(src, idx)
+            if to == of and isinstance(device, torch.device) and is_lazy(device):
+                # torch_xla turns copy_ from a tensor's own data into sharing that data,
+                # and even from a clone of it; from a view it traces a node, so dst gets
+                # a buffer of its own at the next sync (exact: a view changes no bit).
+                sources = [s.view_as(s) for s in sources]
+            torch._foreach_copy_(pick(dst, idx), sources)
 
 
 # --- elementwise optimizers ---------------------------------------------------------------
@@ -187,7 +210,7 @@ def _state_fields(
     """Each field the hyperparameters use, flattened and checked against the masters."""
     if not isinstance(state, rule.state_type):
         raise TypeError(
-            f"{fn}: state: expected the {rule.state_type.__name__} made by "
+            f"{fn}: {step.state_name}: expected the {rule.state_type.__name__} made by "
             f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
         )
     kinds = rule.fields(hyper)
@@ -198,13 +221,14 @@ def _state_fields(
         if kind is None:
             if value is not None:
                 raise ValueError(
-                    f"{fn}: state.{name}: expected None (these hyperparameters use no "
+                    f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
                     f"{name}), got {_checks.describe(value)}"
                 )
             continue
-        side, spec = _checks.tensor_leaves(fn, f"state.{name}", value)
+        where = f"{step.state_name}.{name}"
+        side, spec = _checks.tensor_leaves(fn, where, value)
         _checks.check_same_structure(
-            fn, "masters", step.masters.tree, step.spec, f"state.{name}", value, spec,
+            fn, "masters", step.masters.tree, step.spec, where, value, spec,
             "Was this state made by opt.init() for these masters?",
         )  # fmt: skip
         _checks.check_pairs(fn, step.masters, side, _STEP if kind == "step" else _MOMENT)
@@ -217,7 +241,7 @@ def _plan_elementwise(
 ) -> list[Work]:
     fields = _state_fields(fn, rule, hyper, step, state)
     moments = [f for name, f in fields.items() if name != "step"]
-    sides = [Side(f"state.{n}", getattr(state, n), f) for n, f in fields.items()]
+    sides = [Side(f"{step.state_name}.{n}", getattr(state, n), f) for n, f in fields.items()]
     _checks.check_writable(fn, sides)
     _checks.check_no_alias(fn, written=[step.masters, *sides], read=[step.grads])
     masters, grads = step.masters.leaves, step.grads.leaves
