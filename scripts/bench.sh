@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up the environment if needed, then run the seed benchmark (the main job)
-# on every available device. Results go to bench/results/ unless --out is given.
+# on every available device. Results go to a folder under the system's temporary
+# directory (printed at the end) unless --out is given; refresh the committed
+# results on purpose with --out bench/results/seed.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"

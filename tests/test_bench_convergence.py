@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.common.meta import META_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,8 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     for name in ("convergence.md", "convergence.json", "convergence.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     result = json.loads((tmp_path / "convergence.json").read_text())
+    assert tuple(result["meta"]) == META_KEYS and result["meta"]["threads"] == 1
+    assert result["device"] == "cpu"
 
     runs = {r["mode"]: r for r in result["runs"]}
     assert set(runs) == {"fp32", "bf16", "mixed"}

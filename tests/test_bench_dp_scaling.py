@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from bench import _dp_report
+from bench.common.meta import META_KEYS
+from bench.dp_scaling import report
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("unsharded", "sharded", "pertensor")
@@ -46,7 +47,10 @@ def test_outputs_exist_and_table_is_printed(smoke: tuple[Path, str, dict[str, An
             rows = [r for r in table.splitlines() if r.startswith(f"| {world} | 1 | {mode} |")]
             assert len(rows) == 1 and "failed" not in rows[0], rows
     assert sorted(result["worlds"]) == list(WORLDS)
-    assert result["command"] and result["machine"]["cpu_count"] >= 1
+    meta = result["meta"]
+    assert tuple(meta) == META_KEYS and meta["threads"] == 1
+    assert meta["command"].startswith("python -m bench.dp_scaling")
+    assert meta["machine"]["cpu_count"] >= 1
     assert not list((out / "logs").glob("store-*")), "file stores must be removed"
 
 
@@ -118,8 +122,8 @@ def test_every_mode_and_world_trains_alike(smoke: tuple[Path, str, dict[str, Any
 @pytest.mark.slow
 def test_oversubscription_is_noted(smoke: tuple[Path, str, dict[str, Any]]) -> None:
     result = json.loads(json.dumps(smoke[2]))
-    result["cores"] = 1
-    table = _dp_report.markdown(result)
+    result["meta"]["machine"]["usable_cores"] = 1
+    table = report.markdown(result)
     assert "measure data-parallel *overhead*" in table and "With 2 ranks" in table
-    result["cores"] = 64
-    assert "*overhead*" not in _dp_report.markdown(result)
+    result["meta"]["machine"]["usable_cores"] = 64
+    assert "*overhead*" not in report.markdown(result)

@@ -1,7 +1,8 @@
 """The seed benchmark runs end to end at smoke size and writes sane outputs.
 
-One ``python -m bench.seed --smoke`` run on cpu and xla (about 30 s on 2 cores), shared by
-the tests below; plus a check of the target logic on a made-up result.
+One ``python -m bench.seed --smoke`` run on cpu and xla (about 30 s on 2 idle cores),
+shared by the tests below; plus checks of the target logic on a made-up result and of
+where output goes by default.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from bench import _seed_report
-from bench._seed_model import MODES
+from bench.common.meta import META_KEYS
+from bench.seed import report
+from bench.seed.__main__ import _parse
+from bench.seed.config import MODES, runs_on
 
 REPO = Path(__file__).resolve().parent.parent
 XLA = importlib.util.find_spec("torch_xla") is not None or bool(
@@ -33,7 +36,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
     cmd = [sys.executable, "-m", "bench.seed", "--smoke", "--devices", ",".join(DEVICES)]
     proc = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [*cmd, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=540
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     return out, proc.stdout
@@ -55,36 +58,58 @@ def test_outputs_exist_and_table_is_printed(smoke: tuple[Path, str]) -> None:
         assert f"## {device} (" in table
     for mode in MODES:
         rows = [line for line in table.splitlines() if line.startswith(f"| {mode} |")]
-        assert len(rows) == len(DEVICES), rows
+        assert len(rows) == sum(runs_on(mode, d) for d in DEVICES), rows
         assert all("failed" not in row for row in rows)
     assert "## Targets" in table
+    if "xla" in DEVICES:
+        assert "| trace ms | execute ms |" in table
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_sample_is_sane(smoke: tuple[Path, str], device: str) -> None:
     result = _json(smoke[0])
-    assert result["machine"]["cpu_count"] >= 1 and result["command"]
+    meta = result["meta"]
+    assert tuple(meta) == META_KEYS
+    assert meta["machine"]["cpu_count"] >= 1 and meta["command"].startswith("python -m bench.seed")
+    assert meta["threads"] >= 1 and meta["versions"]["torch"]
     dev = result["devices"][device]
     blocks, steps = result["schedule"]["blocks"], result["schedule"]["steps"]
-    for mode in MODES:
+    modes = [m for m in MODES if runs_on(m, device)]
+    assert list(dev["modes"]) == modes
+    for mode in modes:
         r = dev["modes"][mode]
         assert "error" not in r, r.get("error")
         assert [s["block"] for s in r["samples"]] == list(range(blocks))
         for s in r["samples"]:
             assert 0 < s["step_s"] < 60 and len(s["host_s"]) == steps
+            assert len(s["trace_s"]) == len(s["sync_s"]) == steps
+            assert all(t > 0 for t in s["trace_s"]) and all(t >= 0 for t in s["sync_s"])
             assert math.isfinite(s["loss"])
         # Same fixed batch every step: training must make progress in every mode.
         assert r["samples"][-1]["loss"] < r["setup"]["warmup_loss"]
         assert r["memory"]["peak_bytes"] > 0
         summary = dev["summary"][mode]
         assert summary["x_fp32"] > 0 and summary["median_s"] > 0
+        assert summary["trace_s"] > 0 and summary["execute_s"] < summary["median_s"]
         if device == "xla":
             assert summary["graphs_per_step"] >= 1
             assert summary["compiles"] >= 0
-    # mpfunc and the per-tensor baseline do the same fp32-master AdamW on the same data.
-    losses = {m: dev["modes"][m]["samples"][-1]["loss"] for m in ("pertensor", "mpfunc")}
-    assert losses["mpfunc"] == pytest.approx(losses["pertensor"], rel=1e-2)
+    setups = {m: dev["modes"][m]["setup"] for m in modes}
+    if device == "xla":
+        assert setups["syncfree"]["optimizer"].startswith("torch_xla.amp.syncfree.AdamW")
+    else:
+        assert setups["pertensor-fused"]["optimizer"] == "torch.optim.AdamW (fused)"
+        assert setups["pertensor"]["optimizer"] != "torch.optim.AdamW (fused)"
+    # Modes that do the same AdamW on the same data and weights end at the same loss: mpfunc
+    # and the per-tensor baseline (fp32 masters), and each fused twin and its recipe; on
+    # XLA, syncfree's fused op and torch.optim on the fp32 model.
+    losses = {m: dev["modes"][m]["samples"][-1]["loss"] for m in modes}
+    same = [("pertensor", "mpfunc")]
+    same += [("fp32", "syncfree")] if device == "xla" else [("fp32", "fp32-fused")]
+    same += [("pertensor", "pertensor-fused")] if device != "xla" else []
+    for a, b in same:
+        assert losses[b] == pytest.approx(losses[a], rel=1e-2), (a, b)
 
 
 def test_targets_held_missed_and_unmeasured() -> None:
@@ -96,8 +121,26 @@ def test_targets_held_missed_and_unmeasured() -> None:
             "cpu": device(x_pertensor=0.9, x_bf16=1.2),
         }
     }
-    rows = {(t["device"], t["target"]): t for t in _seed_report.targets(result)}
+    rows = {(t["device"], t["target"]): t for t in report.targets(result)}
     assert rows[("cpu", "mpfunc step ≤ 0.95× pertensor")]["held"] is True
     bf16 = next(t for (d, name), t in rows.items() if d == "cpu" and "bf16" in name)
     assert bf16["held"] is False and bf16["measured"] == "1.20×"
     assert all(t["held"] is None for (d, _), t in rows.items() if d == "xla")
+
+
+def test_output_goes_outside_the_repository_unless_out_says() -> None:
+    default = _parse([]).out.resolve()
+    assert REPO not in default.parents, default
+    committed = REPO / "bench" / "results" / "seed"
+    assert _parse(["--out", str(committed)]).out == committed
+
+
+def test_modes_per_device() -> None:
+    assert [m for m in MODES if runs_on(m, "xla")] == [
+        "fp32", "bf16", "flat", "pertensor", "mpfunc", "autocast", "syncfree"
+    ]  # fmt: skip
+    cpu = [m for m in MODES if runs_on(m, "cpu")]
+    assert "syncfree" not in cpu and cpu.index("fp32-fused") == cpu.index("fp32") + 1
+    assert {m for m in cpu if m.endswith("-fused")} == {
+        f"{m}-fused" for m in ("fp32", "bf16", "flat", "pertensor", "autocast")
+    }

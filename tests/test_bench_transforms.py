@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.common.meta import META_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 TRANSFORMS = {
     "grads_to_fp32",
@@ -59,6 +61,8 @@ def test_transforms_smoke_cpu(tmp_path: Path) -> None:
     baselines = {r["variant"] for r in result["results"]}
     assert {"loop", "_foreach_copy_", "flat slices", "torch.optim fused"} <= baselines
     assert len(result["targets"]) == 4
+    assert tuple(result["meta"]) == META_KEYS and result["meta"]["threads"] == 1
+    assert result["settings"]["model_dtype"] == "bfloat16"
     md = (tmp_path / "transforms.md").read_text()
     assert "## Measured memory bandwidth" in md and "| apply_update_ adamw | mpfunc |" in md
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
+
+from bench.common.report import fmt, header, pyplot
 
 MIB = 2**20
 SHORT = {"all_reduce": "AR", "broadcast": "BC", "all_gather": "AG", "reduce": "R"}
@@ -89,12 +90,6 @@ def add_scaling(result: dict[str, Any]) -> None:
             s["x_first_world"] = s["median_s"] / b if b and "median_s" in s else None
 
 
-def _f(value: Any, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return fmt.format(value)
-
-
 def _range_mib(values: list[int] | None) -> str:
     if not values:
         return "–"
@@ -115,8 +110,8 @@ def _collectives(s: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    cfg, sched, machine = result["config"], result["schedule"], result["machine"]
-    cores = result["cores"]
+    cfg, sched = result["config"], result["schedule"]
+    cores = _cores(result)
     lines = [
         "# Data-parallel scaling on gloo",
         "",
@@ -134,12 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Protocol: each (ranks, mode) is its own gloo group of processes (file store, "
         f"127.0.0.1), kept alive; {sched['warmup']} warm-up steps excluded, then "
         f"{sched['blocks']} blocks of {sched['steps']} steps per mode, modes interleaved; "
-        "a barrier starts each block.",
-        f"Machine: {machine.get('cpu', '?')}, {cores} usable cores, "
-        f"{machine.get('memory_gib', '?')} GiB; torch {machine.get('torch', '?')}, "
-        f"python {machine.get('python', '?')}, mpfunc {machine.get('mpfunc', '?')}; "
-        f"1-minute load average {_load(result)} (start, end; the machine may be shared).",
-        f"Command: `{result['command']}` ({result['date']}, {result.get('wall_s', 0):.0f} s).",
+        "a barrier starts each block.  ",
+        *header(result["meta"]),
         "",
     ]
     worlds = sorted(result["worlds"], key=int)
@@ -147,7 +138,7 @@ def markdown(result: dict[str, Any]) -> str:
     if oversub:
         lines += [
             f"**Note:** this machine has {cores} usable cores, and every rank runs with "
-            "OMP_NUM_THREADS = threads/rank so that it adds no threads beyond its own. With "
+            "`threads/rank` torch threads, so that it adds no threads beyond its own. With "
             f"{' and '.join(oversub)} ranks there are still more rank threads than cores, "
             "so those rows measure data-parallel *overhead* (communication, every rank's "
             "own optimizer work, context switches), not speedup.",
@@ -175,11 +166,11 @@ def markdown(result: dict[str, Any]) -> str:
                 mode,
                 f"{s['median_s'] * 1e3:.1f}",
                 f"{q[0] * 1e3:.1f}–{q[2] * 1e3:.1f}",
-                _f(s.get("x_pertensor"), "{:.2f}"),
-                _f(s.get("x_first_world"), "{:.2f}"),
+                fmt(s.get("x_pertensor"), "{:.2f}"),
+                fmt(s.get("x_first_world"), "{:.2f}"),
                 _collectives(s),
-                _f(s["payload_bytes_per_step"] / MIB, "{:.2f}"),
-                _f(
+                fmt(s["payload_bytes_per_step"] / MIB, "{:.2f}"),
+                fmt(
                     None
                     if s.get("sent_bytes_per_step") is None
                     else s["sent_bytes_per_step"] / MIB,
@@ -223,9 +214,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _load(result: dict[str, Any]) -> str:
-    load = result.get("loadavg") or {}
-    return ", ".join(_f(load.get(k), "{:.1f}") for k in ("start", "end"))
+def _cores(result: dict[str, Any]) -> int:
+    cores: int = result["meta"]["machine"]["usable_cores"]
+    return cores
 
 
 def _baseline_mib(result: dict[str, Any]) -> float:
@@ -239,11 +230,7 @@ def _baseline_mib(result: dict[str, Any]) -> float:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     worlds = sorted(result["worlds"], key=int)
     modes = list(dict.fromkeys(m for w in worlds for m in result["worlds"][w]["summary"]))
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.4))
@@ -303,7 +290,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(
         f"dp_scaling: {result['parameters'] / 1e6:.1f}M parameters in {result['tensors']} "
-        f"tensors (bf16), {result['cores']} cores; more ranks than cores measure overhead",
+        f"tensors (bf16), {_cores(result)} cores; more ranks than cores measure overhead",
         fontsize=9,
     )
     fig.tight_layout()

@@ -1,9 +1,11 @@
-"""Markdown tables, target checks and the PNG for `bench.transforms`."""
+"""Markdown tables, target checks and the PNG of `bench.transforms`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from bench.common.report import header, pyplot
 
 Record = dict[str, Any]
 
@@ -158,23 +160,14 @@ def evaluate_targets(result: dict[str, Any]) -> list[Record]:
     return targets
 
 
-def _load(value: float | None) -> str:
-    return "unknown" if value is None else f"{value:.2f}"
-
-
 def markdown(result: dict[str, Any]) -> str:
-    meta = result["meta"]
+    meta, settings = result["meta"], result["settings"]
     out = [
         "# mpfunc transform microbenchmarks",
         "",
-        f"Command: `{meta['command']}`  ",
-        f"Machine: {meta['machine']}  ",
-        f"torch {meta['torch']}, {meta['threads']} intra-op threads, model dtype "
-        f"{meta['model_dtype']}, {meta['warmup']} warm-up calls excluded, median of up to "
-        f"{meta['repeats']} timed calls per cell.  ",
-        f"Run time: {meta['wall_s']:.0f} s; 1-minute load average "
-        f"{_load(meta['load_avg_start'])} at the start, {_load(meta['load_avg_end'])} at the "
-        "end (other work on the machine inflates times).",
+        *header(meta),
+        f"Model dtype {settings['model_dtype']}, {settings['warmup']} warm-up calls excluded, "
+        f"median of up to {settings['repeats']} timed calls per cell.",
         "",
         "Bandwidth = bytes the transform must read and write / median time. "
         "Byte models per element: casts (`grads_to_fp32`, `masters_to_model`) read 2 B and "
@@ -201,10 +194,11 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {dev} | {b['label']} | {fmt_count(b['numel'])} | {b['bytes_per_elem']} | "
                 f"{_fmt_ms(b['median_s'])} | {b['gbps']:.1f} |"
             )
-    if meta.get("l3_cache"):
+    l3 = meta["machine"].get("l3_cache")
+    if l3:
         out += [
             "",
-            f"L3 cache reported by the OS: {meta['l3_cache']}. Working sets smaller than that "
+            f"L3 cache reported by the OS: {l3}. Working sets smaller than that "
             "may run partly from cache and exceed the DRAM roofline.",
         ]
 
@@ -295,11 +289,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     devices = result["devices"]
     records = [r for r in result["results"] if _ok(r)]
     fig, axes = plt.subplots(

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.common.report import fmt, header, pyplot
+from bench.seed.config import FUSED, REFERENCES, recipe
+
 MIB = 2**20
-REFERENCES = ("fp32", "bf16", "pertensor", "flat")
+COLORS = {
+    "fp32": "#4c72b0",
+    "bf16": "#55a868",
+    "flat": "#c44e52",
+    "pertensor": "#dd8452",
+    "mpfunc": "#8172b3",
+    "autocast": "#937860",
+    "syncfree": "#da8bc3",
+}
 
 
 def _block_ratio(samples: list[dict[str, Any]], ref: list[dict[str, Any]]) -> float | None:
@@ -40,8 +50,15 @@ def summarize(device: str, modes: list[str], results: dict[str, Any]) -> dict[st
             for ref in REFERENCES:
                 if ref in results and results[ref]["samples"]:
                     s[f"x_{ref}"] = _block_ratio(samples, results[ref]["samples"])
+            # Trace: host time until just before the step is ended (torch_xla.sync());
+            # execute: the rest of the step time, per block.
+            s["trace_s"] = statistics.median(t for x in samples for t in x["trace_s"])
+            s["sync_s"] = statistics.median(t for x in samples for t in x["sync_s"])
+            s["execute_s"] = statistics.median(
+                x["step_s"] - statistics.mean(x["trace_s"]) for x in samples
+            )
             if device == "xla":
-                steps = sum(len(x["host_s"]) for x in samples)
+                steps = sum(len(x["trace_s"]) for x in samples)
                 s["compiles"] = sum(x["counters"]["compiles"] for x in samples)
                 s["graphs_per_step"] = sum(x["counters"]["executions"] for x in samples) / steps
                 s["transfers_per_step"] = (
@@ -65,13 +82,13 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 
     rows = []
 
-    def add(device: str, text: str, key: str, limit: float, fmt: str) -> None:
+    def add(device: str, text: str, key: str, limit: float, spec: str) -> None:
         value = get(device, key)
         rows.append(
             {
                 "device": device,
                 "target": text,
-                "measured": None if value is None else fmt.format(value),
+                "measured": None if value is None else spec.format(value),
                 "value": value,
                 "held": None if value is None else value <= limit,
             }
@@ -85,25 +102,57 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _f(value: Any, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return fmt.format(value)
-
-
 def _device_title(name: str, result: dict[str, Any]) -> str:
     setups = [r["setup"] for r in result["devices"][name]["modes"].values() if "setup" in r]
     info = setups[0] if setups else {}
     if name == "xla":
-        version = result["machine"].get("torch_xla") or "?"
+        version = result["meta"]["versions"].get("torch_xla") or "?"
         return f"xla ({info.get('device_name', '?')}, torch_xla {version})"
     if name == "cuda":
         return f"cuda ({info.get('device_name', '?')})"
     return f"cpu (eager, {info.get('threads', '?')} threads)"
 
 
+def _device_table(name: str, dev: dict[str, Any]) -> list[str]:
+    xla = name == "xla"
+    refs = [r for r in REFERENCES if r in dev["summary"]]
+    head = "| mode | step ms | min–max ms | " + " | ".join(f"× {r}" for r in refs)
+    rule = "|---|--:|--:|" + "--:|" * len(refs)
+    head += " | peak MiB |"
+    rule += "--:|"
+    if xla:
+        head += " trace ms | execute ms | compiles | graphs/step |"
+        rule += "--:|--:|--:|--:|"
+    lines = [head, rule]
+    for mode, s in dev["summary"].items():
+        if "median_s" not in s:
+            cells = [mode, "failed", *["–"] * (len(refs) + (6 if xla else 2))]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        cells = [
+            mode,
+            fmt(s["median_s"] * 1e3, "{:.1f}"),
+            f"{s['min_s'] * 1e3:.1f}–{s['max_s'] * 1e3:.1f}",
+            *(fmt(s.get(f"x_{ref}"), "{:.2f}") for ref in refs),
+            fmt(s.get("peak_mib"), "{:.0f}"),
+        ]
+        if xla:
+            cells += [
+                fmt(_ms(s.get("trace_s")), "{:.1f}"),
+                fmt(_ms(s.get("execute_s")), "{:.1f}"),
+                fmt(s.get("compiles"), "{}"),
+                fmt(s.get("graphs_per_step"), "{:.2f}"),
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
 def markdown(result: dict[str, Any]) -> str:
-    cfg, sched, machine = result["config"], result["schedule"], result["machine"]
+    cfg, sched = result["config"], result["schedule"]
     lines = [
         "# Seed benchmark",
         "",
@@ -111,39 +160,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"(preset `{result['preset']}`: d_model {cfg['d_model']}, {cfg['layers']} layers, "
         f"{cfg['heads']} heads, ffn {cfg['ffn']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
         f"batch {cfg['batch']}, dropout {cfg['dropout']}). AdamW everywhere, loss in fp32; "
-        f"torch.optim baselines: `{result['torch_optim']}`.",
+        f"torch.optim baselines: `{result['torch_optim']}`, and `fused` in the `{FUSED}` "
+        "modes.  ",
         f"Protocol: {sched['warmup']} warm-up steps excluded, then {sched['blocks']} blocks "
-        f"of {sched['steps']} steps per mode, modes interleaved, each in its own process.",
-        f"Machine: {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
-        f"{machine.get('memory_gib', '?')} GiB; torch {machine.get('torch', '?')}, "
-        f"python {machine.get('python', '?')}, mpfunc {machine.get('mpfunc', '?')}.",
-        f"Command: `{result['command']}` ({result['date']}, {result.get('wall_s', 0):.0f} s).",
+        f"of {sched['steps']} steps per mode, modes interleaved, each in its own process.  ",
+        *header(result["meta"]),
         "",
     ]
     for name, dev in result["devices"].items():
-        xla = name == "xla"
-        lines += [f"## {_device_title(name, result)}", ""]
-        head = "| mode | step ms | min–max ms | × fp32 | × bf16 | × pertensor | × flat | peak MiB |"
-        rule = "|---|--:|--:|--:|--:|--:|--:|--:|"
-        if xla:
-            head += " compiles | graphs/step |"
-            rule += "--:|--:|"
-        lines += [head, rule]
-        for mode, s in dev["summary"].items():
-            if "median_s" not in s:
-                cells = [mode, "failed", *["–"] * (9 if xla else 7)]
-                lines.append("| " + " | ".join(cells) + " |")
-                continue
-            cells = [
-                mode,
-                _f(s["median_s"] * 1e3, "{:.1f}"),
-                f"{s['min_s'] * 1e3:.1f}–{s['max_s'] * 1e3:.1f}",
-                *(_f(s.get(f"x_{ref}"), "{:.2f}") for ref in REFERENCES),
-                _f(s.get("peak_mib"), "{:.0f}"),
-            ]
-            if xla:
-                cells += [_f(s.get("compiles"), "{}"), _f(s.get("graphs_per_step"), "{:.2f}")]
-            lines.append("| " + " | ".join(cells) + " |")
+        lines += [f"## {_device_title(name, result)}", "", *_device_table(name, dev)]
         optimizers: dict[str, list[str]] = {}
         for mode, r in dev["modes"].items():
             if "setup" in r:
@@ -177,8 +202,13 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Step ms: median over blocks of (block time / steps), the device synced at both ends. "
-        "Ratios: median over blocks of the per-block ratio. On XLA, compiles counts "
-        "compilations during the measured steps and graphs/step the graph executions per step.",
+        "Ratios: median over blocks of the per-block ratio. On XLA, trace ms is the median "
+        "host time from a step's start until just before `torch_xla.sync()` (building the "
+        "lazy graph in Python), execute ms the median over blocks of the rest of the step "
+        "time (the `sync()` call lowering and launching the graph, and execution not hidden "
+        "behind the next step's tracing; the JSON has the `sync()` time apart); compiles "
+        "counts compilations during the measured steps and graphs/step the graph executions "
+        "per step.",
         "Peak MiB: "
         + "; ".join(f"{name}: {', '.join(k) or 'n/a'}" for name, k in kinds.items())
         + ". Peak tensor bytes: live tensors at the start of one extra step plus the highest "
@@ -190,28 +220,28 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _hatch(bars: Any, hatches: list[str]) -> None:
+    for bar, hatch in zip(bars, hatches):
+        bar.set_hatch(hatch)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     devices = list(result["devices"])
+    widths = [max(4.6, 0.55 * len(result["devices"][d]["summary"])) for d in devices] or [4.6]
     fig, axes = plt.subplots(
-        2, max(1, len(devices)), figsize=(4.6 * max(1, len(devices)), 6.6), squeeze=False
+        2,
+        max(1, len(devices)),
+        figsize=(sum(widths), 6.6),
+        squeeze=False,
+        gridspec_kw={"width_ratios": widths},
     )
-    colors = {
-        "fp32": "#4c72b0",
-        "bf16": "#55a868",
-        "flat": "#c44e52",
-        "pertensor": "#dd8452",
-        "mpfunc": "#8172b3",
-        "autocast": "#937860",
-    }
     for col, name in enumerate(devices):
         summary = result["devices"][name]["summary"]
         modes = [m for m, s in summary.items() if "median_s" in s]
         x = range(len(modes))
+        colors = [COLORS.get(recipe(m), "gray") for m in modes]
+        hatches = ["//" if m.endswith(FUSED) else "" for m in modes]
         med = [summary[m]["median_s"] * 1e3 for m in modes]
         # Whiskers: quartiles over blocks (min-max would let one slow spell set the scale).
         quart = [summary[m]["quartiles_s"] for m in modes]
@@ -220,7 +250,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
             [max(0.0, q[2] * 1e3 - med[i]) for i, q in enumerate(quart)],
         ]
         ax = axes[0][col]
-        ax.bar(x, med, yerr=err, capsize=3, color=[colors.get(m, "gray") for m in modes])
+        _hatch(ax.bar(x, med, yerr=err, capsize=3, color=colors), hatches)
+        if name == "xla":
+            # The host trace part of each step, as a darker inner bar.
+            trace = [summary[m].get("trace_s", 0.0) * 1e3 for m in modes]
+            ax.bar(x, trace, width=0.4, color="black", alpha=0.35, label="host trace")
+            ax.legend(fontsize=7, loc="upper left")
         for i, m in enumerate(modes):
             ratio = summary[m].get("x_fp32")
             if ratio is not None:
@@ -229,22 +264,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     (i, med[i] + err[1][i]),
                     ha="center",
                     va="bottom",
-                    fontsize=8,
+                    fontsize=7,
                     xytext=(0, 2),
                     textcoords="offset points",
                 )
         ax.margins(y=0.12)
         ax.set_title(_device_title(name, result), fontsize=9)
-        ax.set_xticks(list(x), modes, rotation=30, fontsize=8)
+        ax.set_xticks(list(x), modes, rotation=40, ha="right", fontsize=7)
         ax.set_ylabel("step time, ms (median, quartiles)" if col == 0 else "")
         ax = axes[1][col]
         mem = [summary[m].get("peak_mib", 0.0) for m in modes]
-        ax.bar(x, mem, color=[colors.get(m, "gray") for m in modes])
-        ax.set_xticks(list(x), modes, rotation=30, fontsize=8)
+        _hatch(ax.bar(x, mem, color=colors), hatches)
+        ax.set_xticks(list(x), modes, rotation=40, ha="right", fontsize=7)
         ax.set_ylabel("peak memory, MiB (see seed.md)" if col == 0 else "")
     fig.suptitle(
         f"Seed benchmark: {result['parameters'] / 1e6:.1f}M parameters (preset "
-        f"{result['preset']})\nlabels: step time ratio to fp32",
+        f"{result['preset']})\nlabels: step time ratio to fp32; hatched: fused torch.optim AdamW",
         fontsize=9,
     )
     fig.tight_layout()

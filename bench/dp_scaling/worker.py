@@ -1,51 +1,41 @@
 """One rank of one dp_scaling mode, in its own process, driven over a pipe.
 
-Run by ``bench.dp_scaling`` as ``python -m bench._dp_worker --mode M --rank R --world W
---store FILE``. Commands arrive one JSON object per line on stdin and each gets exactly
-one JSON line back:
+``bench.dp_scaling`` starts it through ``bench.common.procs`` as ``Rank(mode, rank, world,
+store, threads)`` and sends it commands, one reply each:
 
 - ``{"cmd": "setup", "config": {...}, "warmup": N, ...}``: join the gloo group through
   the file store, build the model and the mode, run N warm-up steps;
 - ``{"cmd": "run", "steps": K}``: a barrier, then K timed and counted steps (one block);
 - ``{"cmd": "finish"}``: report memory and exit.
 
-Modes (``MODES``): ``unsharded``: ``mpfunc.all_reduce_grads`` (bucketed) and full fp32
-masters on every rank; ``sharded``: ``mpfunc.reduce_grads_to_owners`` (each bucket
-reduced to its owner only), masters and AdamW state for this rank's leaves only, then
-``mpfunc.broadcast_params_``; ``pertensor``: the baseline, one
-``torch.distributed.all_reduce`` per grad tensor and full masters. It lives here, never in
-mpfunc.
+The modes are those of ``bench.dp_scaling.config``; the per-tensor baseline lives here,
+never in mpfunc.
 
 Measurement. ``CollectiveCounter`` wraps ``torch.distributed``'s collectives in this
 process, so every call that mpfunc or the baseline makes during a block is counted with
 the bytes of the tensor the rank hands over. Bytes really sent are the growth of
 ``wchar`` in ``/proc/self/io`` over the block: gloo writes its messages to TCP sockets
 with ``write``/``writev``, which the kernel counts there (nothing else writes during a
-block). The replies use a private copy of the original stdout; fd 1 is pointed at stderr
-so that anything a library prints cannot corrupt the protocol.
+block).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
-import re
 import resource
-import sys
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import mpfunc
-from bench._procs import serve
-from bench._seed_model import Model, ModelConfig
+from bench.common.machine import status_kib
+from bench.common.model import Model, fp32_loss
+from bench.common.model_config import ModelConfig
+from bench.dp_scaling.config import BETAS, EPS, LR, MODES, WEIGHT_DECAY
 
-MODES = ("unsharded", "sharded", "pertensor")
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 # Collectives counted, and where each takes the tensor this rank hands over:
 # (positional index, keyword name).
 COLLECTIVES = {
@@ -57,15 +47,6 @@ COLLECTIVES = {
     "reduce_scatter_tensor": (1, "input"),
     "all_to_all_single": (1, "input"),
 }
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
 
 
 def _io() -> dict[str, int] | None:
@@ -125,9 +106,18 @@ class CollectiveCounter:
 
 
 class Rank:
-    def __init__(self, mode: str, rank: int, world: int, store: str) -> None:
+    """Answers the parent's commands for one rank of one mode.
+
+    ``threads`` sets torch's intra-op threads (and one inter-op thread) before anything
+    runs: the workers fork from a server that has imported torch, so a per-rank
+    ``OMP_NUM_THREADS`` would come too late.
+    """
+
+    def __init__(self, mode: str, rank: int, world: int, store: str, threads: int) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(1)
         self.mode, self.rank, self.world, self.store = mode, rank, world, store
         self.counter = CollectiveCounter()
         self.step: Callable[[], torch.Tensor] | None = None
@@ -144,7 +134,7 @@ class Rank:
             timeout=datetime.timedelta(seconds=msg["timeout"]),
         )
         join_s = time.perf_counter() - t0
-        self.baseline_rss = (_status_kib("VmRSS") or 0) * 1024
+        self.baseline_rss = (status_kib("VmRSS") or 0) * 1024
         cfg = ModelConfig(**msg["config"])
         if cfg.batch % self.world:
             raise ValueError(f"global batch {cfg.batch} does not split over {self.world} ranks")
@@ -195,8 +185,7 @@ class Rank:
         world = self.world
 
         def local_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = fp32_loss(model(tokens), targets)
             loss.backward()
             return loss.detach(), {n: p.grad for n, p in params.items()}
 
@@ -300,26 +289,5 @@ class Rank:
             "state_tensors": len(sd),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "baseline_rss_bytes": self.baseline_rss,
-            "rss_bytes": (_status_kib("VmRSS") or 0) * 1024,
+            "rss_bytes": (status_kib("VmRSS") or 0) * 1024,
         }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench._dp_worker")
-    parser.add_argument("--mode", required=True, choices=MODES)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
-
-    # A failed step exits at once: peers blocked in a collective fail at the group's timeout.
-    return serve(
-        lambda: Rank(args.mode, args.rank, args.world, args.store), exit_hard_on_error=True
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,90 +1,58 @@
 """The seed benchmark: the original mixed-precision slowdown, side by side with mpfunc.
 
-Trains one transformer-like model in six modes (fp32, bf16, flat, pertensor, mpfunc,
-autocast; see ``bench/_seed_model.py``) on every available device, and writes
-``seed.md``, ``seed.json`` and ``seed.png`` to ``--out``::
+Trains one transformer-like model in every mode of ``bench.seed.config`` (fp32, bf16, flat,
+pertensor, mpfunc, autocast; syncfree on XLA; the torch.optim recipes again with fused
+AdamW on cpu and cuda) on every available device, and writes ``seed.md``, ``seed.json``
+and ``seed.png`` to ``--out``::
 
     python -m bench.seed                      # default size, all devices
     python -m bench.seed --preset original    # the report's 157M parameters
     python -m bench.seed --smoke --out /tmp/s # seconds; what the tests run
+    python -m bench.seed --out bench/results/seed   # refresh the committed results
 
-Protocol. Each (device, mode) runs in its own worker process, started once and kept alive
-while the parent drives it block by block over a pipe. A process of its own isolates the
-mode's memory (its peak cannot include another mode's tensors, allocator caches or XLA
-compilations) and its XLA graph cache and metrics; keeping it alive avoids paying imports,
-model building and XLA compilation again in every block, as a fresh process per block
-would. A device's workers start and warm up ``--jobs`` at a time (default: one per core);
-nothing is timed until all are ready, and the warm-up steps are excluded. Then, in each
-of ``--blocks`` blocks, every mode runs ``--steps`` steps in turn, starting from a
-different mode each block, while the others wait idle on their pipes. A mode's sample is
-its block's time divided by its steps, with the device synced at both ends, so XLA's
+Protocol. Each (device, mode) runs in its own worker process (``bench.seed.worker``),
+started once and kept alive while the parent drives it block by block over a pipe. A
+process of its own isolates the mode's memory (its peak cannot include another mode's
+tensors, allocator caches or XLA compilations) and its XLA graph cache and metrics;
+keeping it alive avoids paying model building and XLA compilation again in every block.
+The workers fork from a server that has imported torch (and torch_xla for XLA) once. A
+device's workers start and warm up ``--jobs`` at a time (default: one per core); nothing
+is timed until all are ready, and the warm-up steps are excluded. Then, in each of
+``--blocks`` blocks, every mode runs ``--steps`` steps in turn, starting from a different
+mode each block, while the others wait idle on their pipes. A mode's sample is its
+block's time divided by its steps, with the device synced at both ends, so XLA's
 asynchronous execution is counted in full. The step time is the median over blocks, and
 each ratio is the median over blocks of the per-block ratio, so a slow spell on a shared
-machine hits the modes of its block together and mostly cancels out. Devices run one
-after another. After the last block each worker reports its peak memory (see
-``bench/_seed_worker.py`` for how each device measures it).
+machine hits the modes of its block together and mostly cancels out. On XLA each step's
+host trace time (until just before ``torch_xla.sync()``) is reported apart from the rest,
+the execute time. Devices run one after another. After the last block each worker reports
+its peak memory (see ``bench.common.device`` for how each device measures it).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import importlib.metadata
 import importlib.util
-import json
 import os
-import platform
-import re
-import select
-import shlex
 import sys
-import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from bench import _seed_report
-from bench._procs import REPO, PipeProcess, Progress, WorkerError, ms
-from bench._seed_model import MODES, PRESETS, ModelConfig, count
-
-DEFAULT_OUT = REPO / "bench" / "results" / "seed"
-DEVICES = ("cpu", "xla", "cuda")
-# Per preset: warm-up steps, blocks, steps per block. Three warm-up steps cover XLA's two
-# compilations for torch.optim (its state is created lazily in the first step).
-SCHEDULES = {"default": (3, 10, 2), "original": (3, 10, 2), "smoke": (3, 2, 2)}
-
-
-def worker_process(device: str, mode: str, log: Path, timeout: float) -> PipeProcess:
-    """One ``bench._seed_worker`` process (one mode on one device) and its pipe."""
-    cmd = [sys.executable, "-m", "bench._seed_worker", "--device", device, "--mode", mode]
-    return PipeProcess(cmd, log, timeout)
-
-
-def machine_info() -> dict[str, Any]:
-    """What the tables need to say about the machine, without importing torch."""
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
-        if names:
-            info["cpu"] = names[0].strip()
-        with open("/proc/meminfo") as f:
-            kib = re.search(r"^MemTotal:\s+(\d+) kB", f.read(), re.MULTILINE)
-        if kib:
-            info["memory_gib"] = round(int(kib.group(1)) / 2**20, 1)
-    except OSError:
-        pass
-    for package in ("torch", "torch_xla", "mpfunc"):
-        try:
-            info[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            info[package] = None
-    return info
+from bench.common import meta as meta_mod
+from bench.common.model_config import ModelConfig, count
+from bench.common.procs import (
+    Progress,
+    WorkerError,
+    WorkerProcess,
+    ms,
+    preload,
+    ready,
+    shutdown,
+)
+from bench.common.report import read_json, write_json
+from bench.seed import report
+from bench.seed.config import DEVICES, MODES, PRESETS, SCHEDULES, runs_on
 
 
 def _available(device: str) -> bool:
@@ -112,15 +80,18 @@ def run_device(
 ) -> dict[str, Any]:
     """Set up, warm up and measure every mode on one device; return its results.
 
-    Raises DeviceUnavailable when no worker could even open the device.
+    Raises:
+        DeviceUnavailable: no worker could even open the device.
     """
     results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}
-    workers: dict[str, PipeProcess] = {}
+    workers: dict[str, WorkerProcess] = {}
     live: list[str] = []
+    # The cpu workers must not carry torch_xla: it is preloaded for the xla ones only.
+    preload((["torch_xla"] if device == "xla" else []) + ["bench.seed.worker"])
     try:
-        # Set-up and warm-up (imports, model building, XLA compilation) are not measured, so
-        # they overlap, `--jobs` workers at a time: each worker resets its own peak-memory
-        # gauge after its own warm-up, and the blocks start only once every worker is ready.
+        # Set-up and warm-up (model building, XLA compilation) are not measured, so they
+        # overlap, `--jobs` workers at a time: each worker resets its own peak-memory gauge
+        # after its own warm-up, and the blocks start only once every worker is ready.
         say(f"{device}: setting up {len(modes)} modes, {args.jobs} at a time")
         setup_msg = {
             "cmd": "setup",
@@ -130,26 +101,32 @@ def run_device(
             "seed": args.seed,
         }
         waiting = list(modes)
-        busy: dict[IO[str], str] = {}
+        busy: dict[str, WorkerProcess] = {}
         while waiting or busy:
             while waiting and len(busy) < args.jobs:
                 m = waiting.pop(0)
-                workers[m] = worker_process(device, m, logs / f"{device}-{m}.log", args.timeout)
                 try:
+                    workers[m] = WorkerProcess(
+                        "bench.seed.worker:Worker",
+                        (device, m),
+                        logs / f"{device}-{m}.log",
+                        args.timeout,
+                    )
                     workers[m].send(setup_msg)
                 except WorkerError as e:
                     results[m]["error"] = str(e)
                     continue
-                stream = workers[m].proc.stdout
-                assert stream is not None
-                busy[stream] = m
-            ready, _, _ = select.select(list(busy), [], [], args.timeout)
-            if not ready:
+                busy[m] = workers[m]
+            if not busy:
+                continue
+            done = ready(list(busy.values()), args.timeout)
+            if not done:
                 raise SystemExit(f"seed: no worker on {device} set up in {args.timeout:.0f} s")
-            for stream in ready:
-                m = busy.pop(stream)
+            for w in done:
+                m = next(k for k, v in busy.items() if v is w)
+                del busy[m]
                 try:
-                    info = workers[m].recv()
+                    info = w.recv()
                 except WorkerError as e:
                     results[m]["error"] = str(e)
                     say(f"{device}: {m} FAILED: {e}")
@@ -162,7 +139,7 @@ def run_device(
                     + (f", compiles {info['warmup_compiles']}" if device == "xla" else "")
                 )
         live = [m for m in modes if m in live]  # interleave in the order asked for
-        if not live and all(w.init_failed for w in workers.values()):
+        if not live and workers and all(w.init_failed for w in workers.values()):
             raise DeviceUnavailable(results[modes[0]]["error"])
         for b in range(args.blocks):
             order = [live[(b + i) % len(live)] for i in range(len(live))]
@@ -179,9 +156,17 @@ def run_device(
                 line.append(f"{m} {ms(sample['step_s'])}")
             live = [m for m in live if "error" not in results[m]]
             say(f"{device}: block {b + 1}/{args.blocks}: " + ", ".join(line))
+        # Memory, unlike time, does not depend on what else runs: all workers at once.
+        finishing = []
         for m in live:
             try:
-                results[m]["memory"] = workers[m].call({"cmd": "finish"})
+                workers[m].send({"cmd": "finish"})
+                finishing.append(m)
+            except WorkerError as e:
+                results[m]["error"] = str(e)
+        for m in finishing:
+            try:
+                results[m]["memory"] = workers[m].recv()
             except WorkerError as e:
                 results[m]["error"] = str(e)
     finally:
@@ -189,23 +174,34 @@ def run_device(
             w.close()  # all at once: they exit in parallel
         for w in workers.values():
             w.wait()
-    return {"modes": results, **_seed_report.summarize(device, modes, results)}
+    return {"modes": results, **report.summarize(device, modes, results)}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.seed",
         description="Seed benchmark: step time and memory of fp32, bf16, flat, pertensor, "
-        "mpfunc and autocast training, modes interleaved, on every available device.",
+        "mpfunc, autocast and syncfree training (torch.optim recipes on torch's default "
+        "AdamW and on fused AdamW), modes interleaved, on every available device.",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (%(default)s)")
+    meta_mod.add_out_argument(p, "seed")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite seed.md and seed.png from --out's seed.json; run nothing",
+    )
     p.add_argument(
         "--devices",
         default="auto",
         help="comma-separated among cpu,xla,cuda; 'auto' (default): cpu, xla when torch_xla "
         "imports, cuda when available",
     )
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated (%(default)s)")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated; each device runs those it has (syncfree: xla; *-fused: cpu, "
+        "cuda) (%(default)s)",
+    )
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -226,8 +222,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--torch-optim",
         choices=("default", "foreach", "fused"),
         default="default",
-        help="torch.optim.AdamW implementation for the baselines (default: torch's choice; "
-        "fused needs cpu or cuda)",
+        help="torch.optim.AdamW implementation of the baselines without -fused (default: "
+        "torch's choice; fused needs cpu or cuda)",
     )
     p.add_argument(
         "--jobs",
@@ -254,9 +250,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def render(result: dict[str, Any], out: Path) -> str:
+    """Writes seed.md and seed.png from a result (fresh, or read back); returns the table."""
+    table = report.markdown(result)
+    (out / "seed.md").write_text(table)
+    report.plot(result, out / "seed.png")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     say = Progress(sys.stderr, "seed")
+    out = args.out.resolve()
+    if args.render_only:
+        table = render(read_json(out / "seed.json"), out)
+        say(f"rewrote seed.md and seed.png in {out}")
+        sys.stdout.write(table)
+        return 0
+    run = meta_mod.Run("seed", argv)
     preset = PRESETS[args.preset]
     overrides = {
         f.name: getattr(args, f.name)
@@ -272,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted(set(wanted) - set(DEVICES))
     if bad:
         raise SystemExit(f"seed: --devices: unknown {', '.join(bad)}; choose among cpu,xla,cuda")
-    machine = machine_info()
     devices = [d for d in wanted if _available(d)]
     missing = [d for d in wanted if d not in devices]
     if missing and not auto:
@@ -282,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         # The smoke run checks that everything runs, not speed: compile XLA graphs unoptimized
         # (about 3x faster to compile on 2 cores). The workers inherit it.
         os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-    out = args.out.resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     params, tensors = count(cfg)
@@ -292,12 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {args.blocks} blocks x {args.steps} steps"
     )
     result: dict[str, Any] = {
-        "benchmark": "seed",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.seed"])
-        + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine,
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("PJRT_", "XLA_", "OMP_"))},
+        "meta": {},
         "preset": args.preset,
         "config": dataclasses.asdict(cfg),
         "parameters": params,
@@ -308,23 +312,33 @@ def main(argv: list[str] | None = None) -> int:
         "devices": {},
         "skipped": {d: "not available" for d in missing},
     }
-    t0 = time.perf_counter()
-    for d in devices:
-        try:
-            result["devices"][d] = run_device(d, args.mode_list, cfg, args, logs, say)
-        except DeviceUnavailable as e:
-            if not auto:
-                raise SystemExit(f"seed: device {d} unusable: {e}") from None
-            say(f"{d}: skipped, unusable here: {e}")
-            result["skipped"][d] = str(e)
-    result["wall_s"] = time.perf_counter() - t0
-    result["targets"] = _seed_report.targets(result)
+    try:
+        for d in devices:
+            modes = [m for m in args.mode_list if runs_on(m, d)]
+            if not modes:
+                result["skipped"][d] = "none of the modes asked for runs there"
+                continue
+            try:
+                result["devices"][d] = run_device(d, modes, cfg, args, logs, say)
+            except DeviceUnavailable as e:
+                if not auto:
+                    raise SystemExit(f"seed: device {d} unusable: {e}") from None
+                say(f"{d}: skipped, unusable here: {e}")
+                result["skipped"][d] = str(e)
+    finally:
+        shutdown()
+    threads = {
+        r["setup"]["threads"]
+        for dev in result["devices"].values()
+        for r in dev["modes"].values()
+        if "setup" in r
+    }
+    result["meta"] = run.finish(threads=threads.pop() if len(threads) == 1 else None)
+    result["targets"] = report.targets(result)
 
-    (out / "seed.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = _seed_report.markdown(result)
-    (out / "seed.md").write_text(table)
-    _seed_report.plot(result, out / "seed.png")
-    say(f"done in {result['wall_s']:.0f}s; wrote seed.md, seed.json, seed.png to {out}")
+    write_json(out / "seed.json", result)
+    table = render(result, out)
+    say(f"done in {result['meta']['wall_s']:.0f}s; wrote seed.md, seed.json, seed.png to {out}")
     sys.stdout.write(table)
     failed = [
         f"{d}/{m}"

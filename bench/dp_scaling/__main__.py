@@ -1,21 +1,23 @@
 """Data-parallel scaling on gloo: 1, 2 and 4 ranks, unsharded against sharded masters.
 
 Trains one bf16 transformer-like model with fp32 masters in three modes (``unsharded``,
-``sharded``, and the ``pertensor`` baseline; see ``bench/_dp_worker.py``) at each world
+``sharded``, and the ``pertensor`` baseline; see ``bench.dp_scaling.config``) at each world
 size, and writes ``dp_scaling.md``, ``dp_scaling.json`` and ``dp_scaling.png`` to
-``--out``::
+``--out`` (default: a folder under the system's temporary directory)::
 
     python -m bench.dp_scaling                       # default size, 1, 2 and 4 ranks
     python -m bench.dp_scaling --worlds 2 --blocks 20
     python -m bench.dp_scaling --smoke --out /tmp/d  # 1 and 2 ranks, tiny; the tests
+    python -m bench.dp_scaling --out bench/results/dp_scaling   # refresh the committed results
 
 Protocol. For each world size W, every mode gets its own gloo group: W processes that
 join through a file store on this machine (so all traffic goes over 127.0.0.1), each
-with ``OMP_NUM_THREADS=1`` (``--threads``), so that W ranks oversubscribe the cores no
+with one torch thread (``--threads``), so that W ranks oversubscribe the cores no
 more than they must and a rank's compute is the same at every W. (``--threads 0`` gives
 each rank usable cores // W threads instead; on a shared 2-core machine two OpenMP threads
 per process made small kernels up to 100x slower whenever the other core was busy.) A
-process per (mode, rank) isolates each mode's peak memory. The processes are started and
+process per (mode, rank) isolates each mode's peak memory; the processes fork from a
+server that has imported torch once (``bench.common.procs``). The processes are started and
 warmed up together, then kept alive while the parent drives them over pipes: in each of
 ``--blocks`` blocks, every mode runs ``--steps`` steps in turn (all W ranks at once, a
 barrier first), starting from a different mode each block, while the other modes'
@@ -23,7 +25,7 @@ processes wait idle. A step's time is the slowest rank's;
 the table gives the median over all measured steps, and the ratio to the per-tensor
 baseline is the median over blocks of the per-block ratio, so a slow spell on a shared
 machine hits the modes of its block together and mostly cancels out. Collectives and their
-bytes are counted inside each rank (see ``bench/_dp_worker.py``). World sizes run one
+bytes are counted inside each rank (see ``bench.dp_scaling.worker``). World sizes run one
 after another; every launch and every reply is bounded by ``--timeout``.
 
 With more ranks than cores (4 ranks on a 2-core machine), the rows measure data-parallel
@@ -34,61 +36,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
-import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench import _dp_report
-from bench._procs import REPO, PipeProcess, Progress, WorkerError, ms
-from bench._seed_model import ModelConfig, count
-from bench.seed import machine_info
-
-DEFAULT_OUT = REPO / "bench" / "results" / "dp_scaling"
-MODES = ("unsharded", "sharded", "pertensor")
-PRESETS = {
-    # 7.4M parameters in 101 tensors; about 0.1-0.3 s a step with 1 or 2 ranks on 2 cores.
-    "default": ModelConfig(
-        d_model=256, layers=8, heads=4, ffn=1024, vocab=2048, seq=32, batch=8, dropout=0.0
-    ),
-    # Seconds in total, for the test suite.
-    "smoke": ModelConfig(
-        d_model=32, layers=2, heads=2, ffn=64, vocab=64, seq=8, batch=4, dropout=0.0
-    ),
-}
-# Per preset: warm-up steps, blocks, steps per block.
-SCHEDULES = {"default": (2, 8, 3), "smoke": (1, 2, 2)}
+from bench.common import meta as meta_mod
+from bench.common.machine import usable_cores
+from bench.common.model_config import ModelConfig, count
+from bench.common.procs import Progress, WorkerError, WorkerProcess, ms, preload, shutdown
+from bench.common.report import read_json, write_json
+from bench.dp_scaling import report
+from bench.dp_scaling.config import MODES, PRESETS, SCHEDULES
 
 
 def rank_process(
     mode: str, rank: int, world: int, store: Path, threads: int, log: Path, timeout: float
-) -> PipeProcess:
-    """One ``bench._dp_worker`` process (one rank of one mode) and its pipe."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "bench._dp_worker", "--mode", mode, "--rank", str(rank)]
-    cmd += ["--world", str(world), "--store", str(store), "--threads", str(threads)]
-    return PipeProcess(cmd, log, timeout, name=f"rank {rank}", env=env)
+) -> WorkerProcess:
+    """One ``bench.dp_scaling.worker`` process (one rank of one mode) and its pipe."""
+    # A failed step ends the rank at once: peers blocked in a collective then fail at the
+    # group's timeout.
+    return WorkerProcess(
+        "bench.dp_scaling.worker:Rank",
+        (mode, rank, world, str(store), threads),
+        log,
+        timeout,
+        name=f"rank {rank}",
+        exit_hard_on_error=True,
+    )
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _call_all(ranks: list[PipeProcess], msg: dict[str, Any]) -> list[dict[str, Any]]:
+def _call_all(ranks: list[WorkerProcess], msg: dict[str, Any]) -> list[dict[str, Any]]:
     """Sends ``msg`` to every rank of a mode at once (they act collectively), then waits
     for every reply; the first failure kills the mode's other ranks and raises."""
     try:
@@ -97,8 +74,7 @@ def _call_all(ranks: list[PipeProcess], msg: dict[str, Any]) -> list[dict[str, A
         return [r.recv() for r in ranks]
     except WorkerError:
         for r in ranks:
-            if r.proc.poll() is None:
-                r.proc.kill()
+            r.kill()
         raise
 
 
@@ -109,19 +85,20 @@ def run_world(
     """Set up, warm up and measure every mode with ``world`` ranks; return the results."""
     threads = args.threads or max(1, args.cores // world)
     results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}
-    procs: dict[str, list[PipeProcess]] = {}
+    procs: dict[str, list[WorkerProcess]] = {}
     live: list[str] = []
     try:
         say(f"{world} ranks x {threads} threads: starting {world * len(modes)} processes")
         for m in modes:
             store = logs / f"store-{world}-{m}"
             store.unlink(missing_ok=True)
-            procs[m] = [
-                rank_process(
-                    m, r, world, store, threads, logs / f"{world}-{m}-rank{r}.log", args.timeout
-                )
-                for r in range(world)
-            ]
+            procs[m] = []
+            try:
+                for rank in range(world):
+                    log = logs / f"{world}-{m}-rank{rank}.log"
+                    procs[m].append(rank_process(m, rank, world, store, threads, log, args.timeout))
+            except WorkerError as e:
+                results[m]["error"] = str(e)
         setup = {
             "cmd": "setup",
             "config": dataclasses.asdict(cfg),
@@ -147,8 +124,7 @@ def run_world(
                 results[m]["error"] = str(e)
                 say(f"{world} ranks: {m} FAILED: {e}")
                 for r in procs[m]:
-                    if r.proc.poll() is None:
-                        r.proc.kill()
+                    r.kill()
                 continue
             live.append(m)
             info = results[m]["setup"][0]
@@ -197,7 +173,7 @@ def run_world(
         "world": world,
         "threads": threads,
         "modes": results,
-        "summary": _dp_report.summarize(results),
+        "summary": report.summarize(results),
     }
 
 
@@ -208,7 +184,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "per-rank memory of unsharded and sharded fp32 masters and of a per-tensor "
         "all-reduce baseline, at several world sizes.",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (%(default)s)")
+    meta_mod.add_out_argument(p, "dp_scaling")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite dp_scaling.md and .png from --out's dp_scaling.json; run nothing",
+    )
     p.add_argument("--worlds", help="comma-separated world sizes (1,2,4; smoke 1,2)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated (%(default)s)")
     p.add_argument(
@@ -247,7 +228,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=1,
-        help="OMP threads per rank (%(default)s); 0: usable cores // ranks, at least 1",
+        help="torch threads per rank (%(default)s); 0: usable cores // ranks, at least 1",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -283,9 +264,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def render(result: dict[str, Any], out: Path) -> str:
+    """Writes dp_scaling.md and .png from a result (fresh, or read back); returns the table."""
+    table = report.markdown(result)
+    (out / "dp_scaling.md").write_text(table)
+    report.plot(result, out / "dp_scaling.png")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     say = Progress(sys.stderr, "dp_scaling")
+    out = args.out.resolve()
+    if args.render_only:
+        table = render(read_json(out / "dp_scaling.json"), out)
+        say(f"rewrote dp_scaling.md and .png in {out}")
+        sys.stdout.write(table)
+        return 0
+    run = meta_mod.Run("dp_scaling", argv)
     overrides = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(ModelConfig)
@@ -303,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(map(str, bad))} ranks; pass --batch"
         )
     args.cores = usable_cores()
-    out = args.out.resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     params, tensors = count(cfg)
@@ -314,13 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         f"blocks x {args.steps} steps"
     )
     result: dict[str, Any] = {
-        "benchmark": "dp_scaling",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.dp_scaling"])
-        + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "cores": args.cores,
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "MKL_", "GLOO_"))},
+        "meta": {},
         "preset": args.preset,
         "config": dataclasses.asdict(cfg),
         "parameters": params,
@@ -330,20 +319,20 @@ def main(argv: list[str] | None = None) -> int:
         "bucket_bytes": args.bucket_bytes,
         "seed": args.seed,
         "worlds": {},
-        "loadavg": {"start": _loadavg()},
     }
-    t0 = time.perf_counter()
-    for w in args.world_list:
-        result["worlds"][str(w)] = run_world(w, args.mode_list, cfg, args, logs, say)
-    result["wall_s"] = time.perf_counter() - t0
-    result["loadavg"]["end"] = _loadavg()
-    _dp_report.add_scaling(result)
+    preload(["bench.dp_scaling.worker"])
+    try:
+        for w in args.world_list:
+            result["worlds"][str(w)] = run_world(w, args.mode_list, cfg, args, logs, say)
+    finally:
+        shutdown()
+    threads = {d["threads"] for d in result["worlds"].values()}
+    result["meta"] = run.finish(threads=threads.pop() if len(threads) == 1 else None)
+    report.add_scaling(result)
 
-    (out / "dp_scaling.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = _dp_report.markdown(result)
-    (out / "dp_scaling.md").write_text(table)
-    _dp_report.plot(result, out / "dp_scaling.png")
-    say(f"done in {result['wall_s']:.0f}s; wrote dp_scaling.md, .json, .png to {out}")
+    write_json(out / "dp_scaling.json", result)
+    table = render(result, out)
+    say(f"done in {result['meta']['wall_s']:.0f}s; wrote dp_scaling.md, .json, .png to {out}")
     sys.stdout.write(table)
     failed = [
         f"{w} ranks/{m}"

@@ -1,0 +1,1 @@
+"""The convergence study; run it with ``python -m bench.convergence``."""

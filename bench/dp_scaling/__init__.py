@@ -1,0 +1,1 @@
+"""The data-parallel scaling benchmark; run it with ``python -m bench.dp_scaling``."""

@@ -1,0 +1,243 @@
+"""One training step per seed-benchmark mode (see ``bench.seed.config`` for the modes).
+
+The flat-buffer and per-tensor recipes are baselines: they live here, never in mpfunc.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bench.common.model import Model, fp32_loss
+from bench.common.model_config import ModelConfig
+from bench.seed.config import BETAS, EPS, FUSED, LR, MODES, WEIGHT_DECAY, recipe
+
+Step = Callable[[], torch.Tensor]
+
+
+def _torch_adamw(params: list[torch.Tensor], torch_optim: str) -> torch.optim.Optimizer:
+    # "default" keeps torch's own choice: the single-tensor loop on cpu and xla (neither is
+    # a foreach device for torch.optim), foreach on cuda. Its `step` counter stays a cpu
+    # tensor, so on xla the bias corrections are host floats and nothing syncs the host.
+    kwargs: dict[str, bool] = {}
+    if torch_optim == "foreach":
+        kwargs["foreach"] = True
+    elif torch_optim == "fused":
+        kwargs["fused"] = True
+    return torch.optim.AdamW(
+        params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kwargs
+    )
+
+
+def describe_torch_adamw(device: torch.device, torch_optim: str) -> str:
+    """Which implementation torch.optim.AdamW runs for ``torch_optim`` on ``device``."""
+    if torch_optim != "default":
+        return f"torch.optim.AdamW ({torch_optim})"
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        foreach = device.type in _get_foreach_kernels_supported_devices()
+    except ImportError:  # a private helper; only the label depends on it
+        return "torch.optim.AdamW (torch's default)"
+    return f"torch.optim.AdamW (default: {'foreach' if foreach else 'single-tensor'})"
+
+
+def make_step(
+    mode: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    *,
+    torch_optim: str = "default",
+    seed: int = 0,
+) -> tuple[Step, str]:
+    """Build the model for ``mode`` on ``device``.
+
+    Args:
+        mode: one of ``bench.seed.config.MODES``.
+        cfg: the model's size.
+        device: where it trains.
+        torch_optim: the torch.optim.AdamW implementation of the recipes without
+            ``-fused`` (``"default"``, ``"foreach"`` or ``"fused"``).
+        seed: initial weights and batch.
+
+    Returns:
+        A function running one training step, and the optimizer's name. The step returns
+        the (fp32, 0-d, detached) loss and does not sync the host; on xla the caller ends
+        the step with ``torch_xla.sync()``.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode.endswith(FUSED):
+        torch_optim = "fused"
+    kind = recipe(mode)
+    torch.manual_seed(seed)
+    model = Model(cfg)  # same fp32 initial weights in every mode
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
+    targets = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
+    low = kind in ("bf16", "flat", "pertensor", "mpfunc")
+    model.to(device=device, dtype=torch.bfloat16 if low else torch.float32)
+    model.train()
+    torch_name = describe_torch_adamw(device, torch_optim)
+
+    if kind in ("fp32", "bf16"):
+        opt = _torch_adamw(list(model.parameters()), torch_optim)
+
+        def step() -> torch.Tensor:
+            loss = fp32_loss(model(tokens), targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step, torch_name
+
+    if kind == "autocast":
+        opt = _torch_adamw(list(model.parameters()), torch_optim)
+
+        def autocast_step() -> torch.Tensor:
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                logits = model(tokens)
+            loss = fp32_loss(logits, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return autocast_step, torch_name
+
+    if kind == "syncfree":
+        return _syncfree_step(model, tokens, targets, device)
+
+    low_params = list(model.parameters())
+    if kind == "flat":
+        return _flat_step(model, low_params, tokens, targets, device, torch_optim), torch_name
+    if kind == "pertensor":
+        return _pertensor_step(model, low_params, tokens, targets, torch_optim), torch_name
+    return _mpfunc_step(model, tokens, targets)
+
+
+def _syncfree_step(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device
+) -> tuple[Step, str]:
+    # torch_xla's AMP optimizer: one fused `_xla_adam_optimizer_step_` per tensor. It takes
+    # that path only when given `found_inf` (without it, it is torch.optim.AdamW), as under
+    # torch_xla's GradScaler; an fp32 model has nothing to unscale, so found_inf stays 0.
+    from torch_xla.amp import syncfree
+
+    opt = syncfree.AdamW(
+        list(model.parameters()), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+    )
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+
+    def step() -> torch.Tensor:
+        loss = fp32_loss(model(tokens), targets)
+        loss.backward()
+        opt.step(found_inf=found_inf)
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, "torch_xla.amp.syncfree.AdamW (found_inf given)"
+
+
+def _flat_step(
+    model: nn.Module,
+    low_params: list[nn.Parameter],
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    torch_optim: str,
+) -> Step:
+    # The original report's recipe, step for step: ONE flat fp32 buffer holds every
+    # master, and grads and weights travel through offset slices of it.
+    total = sum(p.numel() for p in low_params)
+    flat = torch.zeros(total, dtype=torch.float32, device=device)
+    offset = 0
+    for p in low_params:
+        flat.data[offset : offset + p.numel()].copy_(p.data.view(-1))
+        offset += p.numel()
+    flat_param = nn.Parameter(flat)
+    flat_param.grad = flat.new_zeros(total)
+    opt = _torch_adamw([flat_param], torch_optim)
+
+    def step() -> torch.Tensor:
+        loss = fp32_loss(model(tokens), targets)
+        loss.backward()
+        assert flat_param.grad is not None
+        flat_param.grad.data.zero_()  # as the report's zero_grad did
+        offset = 0
+        for p in low_params:
+            assert p.grad is not None
+            grad = p.grad.data
+            flat_param.grad.data[offset : offset + grad.numel()].copy_(grad.view(-1))
+            offset += grad.numel()
+        opt.step()
+        offset = 0
+        for p in low_params:
+            p.data.copy_(flat_param.data[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _pertensor_step(
+    model: nn.Module,
+    low_params: list[nn.Parameter],
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    torch_optim: str,
+) -> Step:
+    # The report's fix: one fp32 torch.optim parameter per model tensor, same shapes,
+    # and a Python loop copying through them. Unlike the report we skip zeroing the
+    # fp32 grads first, since the copy overwrites every element; the baseline is then
+    # as fast as a careful user would write it.
+    masters = [nn.Parameter(p.detach().float()) for p in low_params]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    opt = _torch_adamw(list(masters), torch_optim)
+
+    def step() -> torch.Tensor:
+        loss = fp32_loss(model(tokens), targets)
+        loss.backward()
+        with torch.no_grad():
+            for p, m in zip(low_params, masters):
+                assert p.grad is not None and m.grad is not None
+                m.grad.copy_(p.grad)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(low_params, masters):
+                p.copy_(m)
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _mpfunc_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Step, str]:
+    # The library's in-place twins on its default (fastest) path.
+    import mpfunc
+
+    params = dict(model.named_parameters())
+    masters = mpfunc.init_master(params, dtype=torch.float32)
+    grads32 = mpfunc.init_master(params)  # preallocated fp32 grad buffers
+    mopt = mpfunc.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    carry = [masters, mopt.init(masters)]
+
+    def step() -> torch.Tensor:
+        loss = fp32_loss(model(tokens), targets)
+        loss.backward()
+        grads = {name: p.grad for name, p in params.items()}
+        g32 = mpfunc.grads_to_fp32_(grads, grads32)
+        carry[0], carry[1] = mpfunc.apply_update_(carry[0], g32, carry[1], mopt)
+        mpfunc.masters_to_model_(carry[0], params)
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, "mpfunc.adamw (impl auto)"

@@ -1,0 +1,1 @@
+"""The transform microbenchmarks; run them with ``python -m bench.transforms``."""
