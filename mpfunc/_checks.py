@@ -408,10 +408,10 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory (an expanded, stride-0 tensor, or an
     ``as_strided`` view folding onto itself). Lazy devices (XLA) have no addresses."""
     if _no_address(t):
-        # XLA reports an expanded view's strides as contiguous; a view holding more
-        # elements than the tensor it views must repeat some of them.
-        base = t._base
-        return base is not None and t.numel() > base.numel()
+        # XLA reports strides as contiguous, so ask torch: 0 is "no overlap", and XLA
+        # answers 2 ("too hard to tell") for expanded views, and for column slices too,
+        # which are then refused as well: never a wrong write.
+        return t.numel() > 1 and int(torch._debug_has_internal_overlap(t)) != 0
     if t.is_contiguous() or t.numel() <= 1:
         return False
     # Sorted by stride, each dimension must step past everything the smaller ones reach.
@@ -453,10 +453,10 @@ def _no_address(t: torch.Tensor) -> bool:
 
 
 def _root(t: torch.Tensor) -> int:
-    """Without addresses (XLA), what a tensor's memory is: the tensor it views, or itself.
-    Two slices of one tensor count as sharing it, even where they do not overlap."""
-    base = t._base
-    return id(base if base is not None else t)
+    """Without addresses (XLA), what a tensor's memory is: its storage, the same object for
+    views, ``.detach()`` and ``.data``. Two slices of one tensor count as sharing it, even
+    where they do not overlap."""
+    return int(t.untyped_storage()._cdata)
 
 
 def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) -> None:

@@ -105,7 +105,10 @@ def snapshot(obj: Any) -> Snapshot:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
+    # Dense and contiguous first: a sparse or stride-0 input has bits too.
+    t = t.detach()
+    t = t.to_dense() if t.layout != torch.strided else t
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_unchanged(snap: Snapshot) -> None:

@@ -11,8 +11,9 @@ bits and ``_version`` unchanged. The bad leaf sits last in flatten order (``z.w`
 ``a.b`` and ``a.w``), so a function that wrote while checking would have written the
 others first. XLA tests use the shapes ``W``, ``B`` and ``()`` only.
 
-Tests marked ``xfail(strict=True)`` are bugs found here and not yet fixed; each reason
-says what goes wrong.
+Every test here failed on the code before the hardening round, or on an intermediate fix
+(XLA buffers shared by same-dtype copies, ``.detach()`` aliases and expanded rows on XLA,
+aliasing across partition labels).
 """
 
 from __future__ import annotations
@@ -435,19 +436,6 @@ def test_partition_state_errors_name_the_label() -> None:
 
 # --- 1. one tensor under two names --------------------------------------------------------
 
-_XLA_VIEWS = (
-    "check_no_alias compares tensor identity on XLA, so a view of another leaf (same storage, "
-    "another tensor object) passes, and masters_to_model_ then writes both names into one buffer"
-)
-
-
-def _xfail_on_xla(request: pytest.FixtureRequest, device: torch.device, reason: str) -> None:
-    if device.type == "xla":
-        # raises: the missing error is the failure, never some other crash.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason=reason, raises=pytest.fail.Exception)
-        )
-
 
 @pytest.mark.parametrize("fn", [mpfunc.init_master, mpfunc.init_grads])
 def test_tied_weights_listed_twice_are_refused(device: torch.device, fn: Any) -> None:
@@ -458,44 +446,49 @@ def test_tied_weights_listed_twice_are_refused(device: torch.device, fn: Any) ->
 
 
 @pytest.mark.parametrize("fn", [mpfunc.init_master, mpfunc.init_grads])
-def test_a_leaf_viewing_another_is_refused(
-    device: torch.device, fn: Any, request: pytest.FixtureRequest
-) -> None:
-    _xfail_on_xla(request, device, _XLA_VIEWS)
+def test_a_leaf_viewing_another_is_refused(device: torch.device, fn: Any) -> None:
     base = _rand(W, BF16, device=device)
     params = {"a": base, "b": base[1]}  # row 1 of a: one storage under two names
     with pytest.raises(ValueError, match=_alias(fn.__name__, "params.a", "params.b")):
         fn(params)
 
 
-@pytest.mark.xla
-def test_xla_params_viewing_each_other_are_refused_by_masters_to_model_(
-    xla_device: torch.device, request: pytest.FixtureRequest
+@pytest.mark.parametrize("how", ["detach", "data"])
+def test_a_leaf_detached_from_another_is_refused(device: torch.device, how: str) -> None:
+    """``p.detach()`` and ``p.data`` are no views (``_base`` is None) yet share ``p``'s
+    memory: a second name for ``p`` all the same."""
+    p = _rand(W, BF16, device=device)
+    params = {"a": p, "b": p.detach() if how == "detach" else p.data}
+    with pytest.raises(ValueError, match=_alias("init_master", "params.a", "params.b")):
+        mpfunc.init_master(params)
+
+
+@pytest.mark.parametrize("how", ["view", "detach"])
+def test_params_sharing_memory_are_refused_by_masters_to_model_(
+    device: torch.device, how: str
 ) -> None:
-    # Today: no error, and p ends as [m["b"], m["a"][1]] or a mix: one name's write is lost.
-    _xfail_on_xla(request, xla_device, _XLA_VIEWS)
-    p = torch.zeros(W, dtype=BF16, device=xla_device)
-    params = {"a": p, "b": p[1]}
-    masters = {"a": torch.ones(W, device=xla_device), "b": torch.full(B, 2.0, device=xla_device)}
+    # Unchecked, p ends as a mix of both masters: one name's write is lost.
+    p = torch.zeros(W, dtype=BF16, device=device)
+    params = {"a": p, "b": p[1] if how == "view" else p.detach()}
+    shape = B if how == "view" else W
+    masters = {"a": torch.ones(W, device=device), "b": torch.full(shape, 2.0, device=device)}
     with pytest.raises(ValueError, match=_alias("masters_to_model_", "params.a", "params.b")):
         mpfunc.masters_to_model_(masters, params)
 
 
-_XLA_EXPANDED = (
-    "check_writable skips XLA tensors (_overlaps_itself returns False for xla), and XLA "
-    "reports an expanded tensor's strides as contiguous: writing an expanded param or master "
-    "sums every row's result into one buffer"
-)
-
-
 @pytest.mark.xla
+@pytest.mark.parametrize("source", ["fresh", "row-of-another"])
 @pytest.mark.parametrize("which", ["masters_to_model_", "apply_update_"])
 def test_xla_expanded_written_tensors_are_refused(
-    xla_device: torch.device, which: str, request: pytest.FixtureRequest
+    xla_device: torch.device, which: str, source: str
 ) -> None:
-    _xfail_on_xla(request, xla_device, _XLA_EXPANDED)
+    """XLA reports an expanded tensor's strides as contiguous; writing one element by
+    element once summed every row's result into one buffer, silently."""
     d = xla_device
-    expanded = torch.zeros(B, device=d).expand(W)
+    if source == "fresh":
+        expanded = torch.zeros(B, device=d).expand(W)
+    else:
+        expanded = torch.zeros(W, device=d)[0].expand(W)
     if which == "masters_to_model_":
         run = partial(mpfunc.masters_to_model_, {"p": _rand(W, device=d)}, {"p": expanded})
         path = "params.p"
@@ -743,14 +736,6 @@ def test_float64_training_matches_torch_optim_float64_bit_for_bit(name: str) -> 
 
 # --- 6. XLA: params, masters and state never share a device buffer ------------------------
 
-_XLA_SHARED = (
-    "on XLA a copy of an unchanged dtype (empty_like().copy_(), .to(copy=True), copy_/"
-    "_foreach_copy_) leaves the destination holding the source's device data; an in-place "
-    "write of the copy then donates that buffer, and reading the source fails ('Trying to "
-    "access XLA data ... while an async operation is in flight')"
-)
-_XFAIL_SHARED = pytest.mark.xfail(strict=True, reason=_XLA_SHARED, raises=RuntimeError)
-
 
 def _to(tree: Any, device: Any) -> Any:
     return {k: _to(v, device) if isinstance(v, dict) else v.to(device) for k, v in tree.items()}
@@ -771,14 +756,12 @@ def _read(tree: Any) -> list[torch.Tensor]:
 @pytest.mark.xla
 @pytest.mark.parametrize("mode", ["inplace", "pure", "mixed"])
 def test_xla_every_tensor_stays_readable_after_each_step(
-    xla_device: torch.device, mode: str, request: pytest.FixtureRequest
+    xla_device: torch.device, mode: str
 ) -> None:
     """Item 6: three steps of adamw on XLA; after every transform and sync, every param,
     master and state tensor reads back, with the values the same loop gives on the CPU."""
     import torch_xla
 
-    if mode != "pure":  # the pure forms never write a master in place
-        request.applymarker(_XFAIL_SHARED)
     d = xla_device
     params, ref_params = _to(_model(0), d), _model(0)
     masters, ref_masters = mpfunc.init_master(params), mpfunc.init_master(ref_params)
@@ -833,22 +816,17 @@ def _with_zeros(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor
     return lambda s: _one(fn({"x": s}, {"x": torch.zeros_like(s)}))
 
 
-# name -> (source dtype, source -> the tensor the transform makes or writes from it,
-# whether it shares the source's buffer today)
-COPIES: dict[str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor], bool]] = {
-    "init_master": (F32, lambda s: _one(mpfunc.init_master({"x": s})), True),
-    "init_master-f64": (F64, lambda s: _one(mpfunc.init_master({"x": s})), True),
-    "grads_to_fp32": (F32, lambda s: _one(mpfunc.grads_to_fp32({"x": s})), True),
-    "grads_to_fp32_": (F32, _with_zeros(mpfunc.grads_to_fp32_), True),
-    "masters_to_model": (F32, _with_zeros(mpfunc.masters_to_model), True),
-    "masters_to_model_": (F32, _with_zeros(mpfunc.masters_to_model_), True),
-    "accumulate_grads": (F32, _with_zeros(mpfunc.accumulate_grads), False),
-    "apply_update": (F32, _sgd_pure, False),
-    "clip_by_global_norm": (
-        F32,
-        lambda s: _one(mpfunc.clip_by_global_norm({"x": s}, 1e9)[0]),
-        False,
-    ),
+# name -> (source dtype, source -> the tensor the transform makes or writes from it)
+COPIES: dict[str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "init_master": (F32, lambda s: _one(mpfunc.init_master({"x": s}))),
+    "init_master-f64": (F64, lambda s: _one(mpfunc.init_master({"x": s}))),
+    "grads_to_fp32": (F32, lambda s: _one(mpfunc.grads_to_fp32({"x": s}))),
+    "grads_to_fp32_": (F32, _with_zeros(mpfunc.grads_to_fp32_)),
+    "masters_to_model": (F32, _with_zeros(mpfunc.masters_to_model)),
+    "masters_to_model_": (F32, _with_zeros(mpfunc.masters_to_model_)),
+    "accumulate_grads": (F32, _with_zeros(mpfunc.accumulate_grads)),
+    "apply_update": (F32, _sgd_pure),
+    "clip_by_global_norm": (F32, lambda s: _one(mpfunc.clip_by_global_norm({"x": s}, 1e9)[0])),
 }
 
 
@@ -856,16 +834,14 @@ COPIES: dict[str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor], boo
 @pytest.mark.parametrize("written", ["copy", "source"])
 @pytest.mark.parametrize("name", sorted(COPIES))
 def test_xla_a_transform_result_shares_no_buffer_with_its_input(
-    xla_device: torch.device, name: str, written: str, request: pytest.FixtureRequest
+    xla_device: torch.device, name: str, written: str
 ) -> None:
     """Item 6, transform by transform: whatever a transform makes or writes from an input of
     the same dtype (an fp32 norm weight, its fp32 grad) can be written in place, and the
     input still reads back with its old values; and the other way round."""
     import torch_xla
 
-    dtype, transform, shares_today = COPIES[name]
-    if shares_today and written == "copy":
-        request.applymarker(_XFAIL_SHARED)
+    dtype, transform = COPIES[name]
     src = torch.full(B, 1.5, dtype=dtype, device=xla_device)
     torch_xla.sync()
     dst = transform(src)
@@ -879,14 +855,11 @@ def test_xla_a_transform_result_shares_no_buffer_with_its_input(
 
 
 @pytest.mark.xla
-def test_xla_fp32_grads_stay_readable_after_clipping_their_copy(
-    xla_device: torch.device, request: pytest.FixtureRequest
-) -> None:
+def test_xla_fp32_grads_stay_readable_after_clipping_their_copy(xla_device: torch.device) -> None:
     """A norm weight's fp32 grad: copied by grads_to_fp32_, a sync (the step's graph
     boundary), then clipped in place: the grad itself must still read back."""
     import torch_xla
 
-    request.applymarker(_XFAIL_SHARED)
     grads = {"norm": torch.full(B, 4.0, device=xla_device)}
     out = mpfunc.init_grads(grads)
     torch_xla.sync()
