@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> float:
 
     owned = sum(t.numel() for t in mpfunc.state_dict({"m": masters, "s": state}).values())
     per_rank = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(per_rank, torch.tensor(owned))  # one line from rank 0, not interleaved prints
+    # A name, not a temporary: the tensor must outlive the group. Before torch 2.8, a gloo
+    # worker thread that drops the last reference to a Python-made tensor waits for the
+    # GIL, which destroy_process_group holds: a deadlock at exit (pytorch#154976).
+    mine_count = torch.tensor(owned)
+    dist.all_gather(per_rank, mine_count)  # one line from rank 0, not interleaved prints
     if rank == 0:
         counts = " ".join(str(int(n)) for n in per_rank)
         print(f"master+state elements per rank: {counts}", flush=True)

@@ -321,13 +321,13 @@ class Like(NamedTuple):
     """
 
     role: str  # how the reference leaf is named in errors: "the master's"
-    none_why: str = "this leaf has no master"  # why None is expected where ref is None
     dtypes: tuple[torch.dtype, ...] | None = None
     what: str = ""
     scalar: bool = False
     optional: bool = False
     spare: bool = False
     hint: str = ""
+    none_why: str = "this leaf has no master"  # why None is expected where ref is None
 
 
 def check_pairs(fn: str, ref: Side, other: Side, like: Like) -> None:

@@ -10,10 +10,16 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import assert_bits_equal, assert_trees_bits_equal, assert_unchanged, leaves, snapshot
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import bit_trees, bits_tensor
+from support.helpers import (
+    assert_bits_equal,
+    assert_trees_bits_equal,
+    assert_unchanged,
+    leaves,
+    snapshot,
+)
+from support.strategies import bit_trees, bits_tensor
 
 import mpfunc
 

@@ -12,8 +12,8 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import assert_trees_bits_equal, assert_unchanged, snapshot
-from resume_common import CONFIGS, Run, config_name
+from support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
+from workers.resume_common import CONFIGS, Run, config_name
 
 import mpfunc
 
@@ -33,7 +33,7 @@ def test_exact_resume_in_a_fresh_process(device: torch.device, tmp_path: pathlib
     subprocess.run(
         [
             sys.executable,
-            str(HERE / "resume_common.py"),
+            str(HERE / "workers" / "resume_common.py"),
             device.type,
             str(tmp_path),
             str(k),
@@ -215,10 +215,14 @@ def test_state_dict_rejects_non_tensor_leaves_and_key_collisions() -> None:
         mpfunc.state_dict({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
 
 
-# DCP warns when it runs without a process group (single-process is the point here),
-# and torch 2.9's own DCP writer calls the deprecated Tensor.storage().
+# DCP warns when it runs without a process group (single-process is the point here;
+# torch 2.9 and 2.4 word it differently), torch 2.9's own DCP writer calls the
+# deprecated Tensor.storage(), and torch 2.4's reader calls torch.load without
+# weights_only.
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable or uninitialized:UserWarning")
 @pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
+@pytest.mark.filterwarnings("ignore:You are using `torch.load` with `weights_only:FutureWarning")
 def test_torch_distributed_checkpoint_writes_it(tmp_path: pathlib.Path) -> None:
     """The state dict is plain str -> tensor, so torch.distributed.checkpoint saves and
     loads it as is (here without a process group), ready for sharded saving."""
@@ -226,9 +230,7 @@ def test_torch_distributed_checkpoint_writes_it(tmp_path: pathlib.Path) -> None:
 
     tree = full_tree(torch.device("cpu"))
     sd = mpfunc.state_dict(tree)
-    dcp.save(
-        {k: v.clone() for k, v in sd.items()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True
-    )
+    dcp.save({k: v.clone() for k, v in sd.items()}, checkpoint_id=str(tmp_path / "dcp"))
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
-    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
     assert_trees_bits_equal(mpfunc.load_state_dict(tree, target), tree)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import assert_bits_equal
+from support.helpers import assert_bits_equal
 
 import mpfunc
 

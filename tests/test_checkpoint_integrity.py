@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_trees_bits_equal, assert_unchanged, leaves, snapshot
-from resume_common import Run
+from support.helpers import assert_trees_bits_equal, assert_unchanged, leaves, snapshot
+from workers.resume_common import Run
 
 import mpfunc
 

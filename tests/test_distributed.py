@@ -1,6 +1,6 @@
 """Data parallel on real gloo process groups: 2 and 4 CPU processes on this machine.
 
-Each test launches one process per rank (tests/dp_worker.py) and bounds the whole
+Each test launches one process per rank (tests/workers/dp_worker.py) and bounds the whole
 launch with a timeout. The bound for comparisons with single-process fp32
 training: max|a - b| <= 1e-5 * max|b| after 4 steps (the reduction order differs,
 so fp32 sums differ in the last bits, and AdamW's normalization passes that on).
@@ -8,56 +8,17 @@ so fp32 sums differ in the last bits, and AdamW's normalization passes that on).
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
-from dp_worker import STEPS, make_model, train_unsharded
+from support.ranks import check_ok, launch
+from workers.dp_worker import STEPS, make_model, train_unsharded
 
 import mpfunc
 
-HERE = pathlib.Path(__file__).resolve().parent
 BOUND = 1e-5
-
-
-def launch(
-    scenario: str, world: int, out: pathlib.Path, timeout: float = 120, **env: str
-) -> list[subprocess.CompletedProcess[str]]:
-    """Runs WORLD ranks of SCENARIO; returns their results (never waits past TIMEOUT)."""
-    out.mkdir(parents=True, exist_ok=True)
-    store = out / f"store-{scenario}-{world}"
-    if store.exists():
-        store.unlink()
-    full_env = dict(os.environ, MPFUNC_STORE=str(store), OMP_NUM_THREADS="1", **env)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "dp_worker.py"), scenario, str(r), str(world), str(out)],
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    results = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
-
-
-def check_ok(results: list[subprocess.CompletedProcess[str]]) -> None:
-    for r in results:
-        assert r.returncode == 0, f"rank failed: {r.args}\n{r.stderr[-3000:]}"
 
 
 def single_process(steps: int) -> dict[str, Any]:

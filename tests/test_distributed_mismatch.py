@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_distributed import check_ok, launch
+from support.ranks import check_ok, launch
 
 import mpfunc
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 import torch
-from error_table import Call, WrongMessage, call, row, tensors
-from helpers import assert_bits_equal, assert_trees_bits_equal, leaves, settle
+from support.error_table import Call, WrongMessage, call, row, tensors
+from support.helpers import assert_bits_equal, assert_trees_bits_equal, leaves, settle
 
 import mpfunc
 

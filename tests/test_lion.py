@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_trees_bits_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.helpers import assert_trees_bits_equal
 
 import mpfunc
 

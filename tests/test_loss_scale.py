@@ -19,11 +19,11 @@ from typing import Any
 import optree
 import pytest
 import torch
-from error_table import call, check_row, row
-from helpers import assert_bits_equal, assert_trees_bits_equal, assert_unchanged, snapshot
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from strategies import realize, specs
+from support.error_table import call, check_row, row
+from support.helpers import assert_bits_equal, assert_trees_bits_equal, assert_unchanged, snapshot
+from support.strategies import realize, specs
 
 import mpfunc
 from mpfunc import _tree

@@ -21,10 +21,16 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from helpers import assert_bits_equal, assert_trees_bits_equal, assert_unchanged, leaves, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import Spec, realize, specs
+from support.helpers import (
+    assert_bits_equal,
+    assert_trees_bits_equal,
+    assert_unchanged,
+    leaves,
+    snapshot,
+)
+from support.strategies import Spec, realize, specs
 
 import mpfunc
 

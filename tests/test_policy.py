@@ -16,10 +16,10 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import assert_bits_equal, assert_unchanged, leaves, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import SHAPES, Pair, bits_tensor, tree_shapes
+from support.helpers import assert_bits_equal, assert_unchanged, leaves, snapshot
+from support.strategies import SHAPES, Pair, bits_tensor, tree_shapes
 
 import mpfunc
 

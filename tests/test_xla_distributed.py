@@ -61,7 +61,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import leaves
+from support.helpers import leaves
 
 import mpfunc
 

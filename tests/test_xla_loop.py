@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_xla_step import Model, count
+from support.xla_model import Model, count
 
 import mpfunc
 

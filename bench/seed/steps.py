@@ -5,7 +5,7 @@ The flat-buffer and per-tensor recipes are baselines: they live here, never in m
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

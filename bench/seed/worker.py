@@ -23,7 +23,8 @@ import gc
 import resource
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # torch.optim imports torch._dynamo (about 900 modules) when it builds its first optimizer;
 # importing it here makes the preloaded server pay that once for every worker.

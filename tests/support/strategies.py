@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import torch
 from hypothesis import strategies as st
 
+from mpfunc import _tree
+
 SHAPES: list[tuple[int, ...]] = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (64,)]
 LOW = [torch.bfloat16, torch.float16]
 
@@ -135,7 +137,5 @@ def realize(
     def move(x: Any) -> Any:
         return x.to(device) if isinstance(x, torch.Tensor) else x
 
-    import optree
-
     tree = _map_leaves(spec.tree, make)
-    return optree.tree_map(move, tree, none_is_leaf=True)
+    return _tree.map_tensors(move, tree)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from error_table import (
+from support.error_table import (
     DROP,
     Call,
     assert_unchanged,

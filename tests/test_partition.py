@@ -1,17 +1,14 @@
-"""Per-leaf hyperparameters (``partition``) and learning-rate schedules.
-
-References: torch.optim param groups and ``torch.optim.lr_scheduler.LambdaLR``.
-"""
+"""Per-leaf hyperparameters (``partition``) against torch.optim param groups."""
 
 from __future__ import annotations
 
 import optree
 import pytest
 import torch
-from helpers import leaves
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import realize, specs
+from support.helpers import leaves
+from support.strategies import realize, specs
 
 import mpfunc
 
@@ -96,50 +93,6 @@ def test_partition_checks_every_state_before_writing() -> None:
     with pytest.raises(ValueError, match="momentum_buffer"):
         mpfunc.apply_update_(masters, _grads(0, params), bad, opt)
     assert torch.equal(masters["emb"], before)
-
-
-@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
-def test_schedule_matches_lambda_lr(name: str) -> None:
-    """lr as a function of the step count equals torch's LambdaLR on fp32, within the
-    stated bound (the schedule is evaluated in fp32 on the device, LambdaLR in
-    float64 on the host)."""
-    base = 0.05
-    factor = lambda count: 0.9**count  # noqa: E731  (count: steps already taken)
-    make = {"sgd": mpfunc.sgd, "adam": mpfunc.adam, "adamw": mpfunc.adamw}[name]
-    kw = {"momentum": 0.9} if name == "sgd" else {}
-    opt = make(lr=lambda step: base * factor(step), **kw)
-    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
-    masters = mpfunc.init_master(params)
-    state = opt.init(masters)
-    ref_t = [masters["b"].clone(), masters["w"].clone()]
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-    ref = cls(ref_t, lr=base, **kw)
-    sched = torch.optim.lr_scheduler.LambdaLR(ref, lr_lambda=factor)
-    peak = max(float(t.abs().max()) for t in ref_t)
-    for k in range(20):
-        g = _grads(k, params)
-        masters, state = mpfunc.apply_update(masters, g, state, opt)
-        ref_t[0].grad, ref_t[1].grad = g["b"], g["w"]
-        ref.step()
-        sched.step()
-        peak = max(peak, *(float(t.abs().max()) for t in ref_t))
-    for a, b in zip([masters["b"], masters["w"]], ref_t):
-        assert float((a - b).abs().max()) <= 1e-6 * peak
-
-
-def test_schedule_sees_the_step_count() -> None:
-    seen: list[float] = []
-
-    def lr(step: torch.Tensor) -> torch.Tensor:
-        seen.append(float(step))  # a host read: fine in a test, not in a training loop
-        return step * 0 + 0.1
-
-    opt = mpfunc.sgd(lr=lr)
-    m = {"w": torch.ones(2)}
-    s = opt.init(m)
-    for _ in range(3):
-        m, s = mpfunc.apply_update(m, {"w": torch.ones(2)}, s, opt)
-    assert seen[-3:] == [0.0, 1.0, 2.0]
 
 
 @settings(max_examples=25)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
+
+from mpfunc import _tree
 
 # The bound for paths whose op order differs from torch.optim's (foreach/reference
 # Adam, any lr given as a tensor): |mpfunc - torch| <= RTOL * |torch| + ATOL_PER_LR * lr * N
@@ -49,14 +50,12 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, *, nan_payload: bool = T
 
 
 def leaves(tree: Any) -> list[Any]:
-    return optree.tree_leaves(tree, none_is_leaf=True, namespace="mpfunc")
+    """Every leaf, ``None`` included, by mpfunc's own tree rules."""
+    return _tree.flatten(tree)[0]
 
 
 def assert_trees_bits_equal(a: Any, b: Any, *, nan_payload: bool = True) -> None:
-    sa, sb = (
-        optree.tree_structure(a, none_is_leaf=True, namespace="mpfunc"),
-        optree.tree_structure(b, none_is_leaf=True, namespace="mpfunc"),
-    )
+    sa, sb = _tree.flatten(a)[1], _tree.flatten(b)[1]
     assert sa == sb, (sa, sb)
     for x, y in zip(leaves(a), leaves(b)):
         if isinstance(x, torch.Tensor):

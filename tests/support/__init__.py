@@ -1,0 +1,1 @@
+"""Support code for the tests: comparisons, strategies, bad-input tables, launchers."""

@@ -1,0 +1,46 @@
+"""Launching one process per rank of a gloo test, never waiting past a timeout."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+WORKER = pathlib.Path(__file__).resolve().parent.parent / "workers" / "dp_worker.py"
+
+
+def launch(
+    scenario: str, world: int, out: pathlib.Path, timeout: float = 120, **env: str
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs WORLD ranks of SCENARIO; returns their results (never waits past TIMEOUT)."""
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / f"store-{scenario}-{world}"
+    if store.exists():
+        store.unlink()
+    full_env = dict(os.environ, MPFUNC_STORE=str(store), OMP_NUM_THREADS="1", **env)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(r), str(world), str(out)],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def check_ok(results: list[subprocess.CompletedProcess[str]]) -> None:
+    for r in results:
+        assert r.returncode == 0, f"rank failed: {r.args}\n{r.stderr[-3000:]}"

@@ -1,0 +1,131 @@
+"""``all_finite`` against ``torch.isfinite`` on the CPU."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.helpers import (
+    assert_unchanged,
+    leaves,
+    snapshot,
+)
+from support.strategies import SHAPES, bit_trees, bits_tensor, tree_shapes
+
+import mpfunc
+
+XLA_RTOL = 1e-6
+TENSOR_MAX_NORM_RTOL = 5 * 2**-24
+ACC_RTOL = 1e-6
+BF16_MARGIN = 4.0
+
+
+def per_device(device: torch.device, cpu: int, xla: int) -> Any:
+    """Hypothesis settings with fewer examples on XLA, where each new tree compiles."""
+    return settings(max_examples=cpu if device.type == "cpu" else xla)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def floats_only(tree: Any) -> Any:
+    """Grads exist only for floating leaves: int/bool buffers become None."""
+    return optree.tree_map(lambda t: t if is_float(t) else None, tree, none_is_leaf=True)
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    return optree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree, none_is_leaf=True
+    )
+
+
+def clone(tree: Any) -> Any:
+    return optree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree, none_is_leaf=True
+    )
+
+
+# --- all_finite ----------------------------------------------------------------------------
+
+
+def reference_finite(tree_cpu: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in leaves(tree_cpu) if is_float(t))
+
+
+@st.composite
+def any_bit_trees(draw: st.DrawFn) -> Any:
+    """bit_trees (bf16/fp16), or the same nesting of arbitrary-bit fp32 leaves."""
+    if draw(st.booleans()):
+        return draw(bit_trees())
+    return draw(
+        tree_shapes(
+            st.builds(lambda: bits_tensor(draw, draw(st.sampled_from(SHAPES)), torch.float32))
+        )
+    )
+
+
+def test_all_finite_matches_isfinite(device: torch.device) -> None:
+    @per_device(device, cpu=100, xla=20)
+    @given(data=st.data())
+    def prop(data: st.DataObject) -> None:
+        tree_cpu = data.draw(any_bit_trees(), label="tree")
+        tree = to_device(tree_cpu, device)
+        snap = snapshot(tree)
+        flag = mpfunc.all_finite(tree)
+        sync(device)
+        assert flag.shape == () and flag.dtype == torch.bool
+        if any(is_float(t) and t.numel() for t in leaves(tree)):
+            assert flag.device == device
+        assert bool(flag.cpu()) == reference_finite(tree_cpu)
+        assert_unchanged(tree, snap)
+
+    prop()
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [{}, [], (), None, [None], {"n": torch.arange(3), "m": torch.tensor([True, False])}],
+    ids=["dict", "list", "tuple", "none", "list-of-none", "ints"],
+)
+def test_all_finite_empty_and_int_trees_are_finite(tree: Any) -> None:
+    flag = mpfunc.all_finite(tree)
+    assert flag.shape == () and flag.dtype == torch.bool and bool(flag)
+
+
+def test_all_finite_on_int_tree_on_device(device: torch.device) -> None:
+    flag = mpfunc.all_finite([torch.arange(3, device=device), None])
+    assert flag.shape == () and flag.dtype == torch.bool and bool(flag.cpu())
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 65504.0, 3e38])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_single_special_value(device: torch.device, value: float, dtype: Any) -> None:
+    """One special value in the last element of the last leaf; large finite values are
+    finite (the max-norm cannot overflow the way a 2-norm would)."""
+    # Set in fp32, then cast: 3e38 rounds to inf in fp16 (older torch refuses to
+    # assign an out-of-range Python float to an fp16 tensor directly).
+    x = torch.zeros(64)
+    x[-1] = value
+    x = x.to(dtype)
+    tree = {"a": torch.ones(3, 5, dtype=dtype).to(device), "z": x.to(device)}
+    flag = mpfunc.all_finite(tree)
+    sync(device)
+    assert bool(flag.cpu()) == bool(torch.isfinite(x).all()), (dtype, value, x[-1])
+
+
+def test_all_finite_device_when_floating_leaves_are_empty(xla_device: torch.device) -> None:
+    flag = mpfunc.all_finite({"w": torch.zeros(0, device=xla_device)})
+    assert flag.device == xla_device

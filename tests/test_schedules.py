@@ -1,0 +1,75 @@
+"""Learning-rate schedules against ``torch.optim.lr_scheduler.LambdaLR``."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import mpfunc
+
+
+def _model_tree() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "emb": torch.randn(10, 4, generator=gen),
+        "layers": [
+            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
+            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
+        ],
+        "ln": {"weight": torch.randn(4, generator=gen), "steps": torch.tensor(3)},
+    }
+
+
+def _grads(step: int, params: dict) -> dict:
+    gen = torch.Generator().manual_seed(100 + step)
+
+    return optree.tree_map(
+        lambda p: torch.randn(p.shape, generator=gen) if p.is_floating_point() else None,
+        params,
+        none_is_leaf=True,
+    )
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_schedule_matches_lambda_lr(name: str) -> None:
+    """lr as a function of the step count equals torch's LambdaLR on fp32, within the
+    stated bound (the schedule is evaluated in fp32 on the device, LambdaLR in
+    float64 on the host)."""
+    base = 0.05
+    factor = lambda count: 0.9**count  # noqa: E731  (count: steps already taken)
+    make = {"sgd": mpfunc.sgd, "adam": mpfunc.adam, "adamw": mpfunc.adamw}[name]
+    kw = {"momentum": 0.9} if name == "sgd" else {}
+    opt = make(lr=lambda step: base * factor(step), **kw)
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    masters = mpfunc.init_master(params)
+    state = opt.init(masters)
+    ref_t = [masters["b"].clone(), masters["w"].clone()]
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    ref = cls(ref_t, lr=base, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(ref, lr_lambda=factor)
+    peak = max(float(t.abs().max()) for t in ref_t)
+    for k in range(20):
+        g = _grads(k, params)
+        masters, state = mpfunc.apply_update(masters, g, state, opt)
+        ref_t[0].grad, ref_t[1].grad = g["b"], g["w"]
+        ref.step()
+        sched.step()
+        peak = max(peak, *(float(t.abs().max()) for t in ref_t))
+    for a, b in zip([masters["b"], masters["w"]], ref_t):
+        assert float((a - b).abs().max()) <= 1e-6 * peak
+
+
+def test_schedule_sees_the_step_count() -> None:
+    seen: list[float] = []
+
+    def lr(step: torch.Tensor) -> torch.Tensor:
+        seen.append(float(step))  # a host read: fine in a test, not in a training loop
+        return step * 0 + 0.1
+
+    opt = mpfunc.sgd(lr=lr)
+    m = {"w": torch.ones(2)}
+    s = opt.init(m)
+    for _ in range(3):
+        m, s = mpfunc.apply_update(m, {"w": torch.ones(2)}, s, opt)
+    assert seen[-3:] == [0.0, 1.0, 2.0]
