@@ -359,6 +359,8 @@ def _states() -> list[Any]:
     ]
 
 
+# torch 2.4 unpickles tensors through torch.load and warns that weights_only is unset.
+@pytest.mark.filterwarnings("ignore:You are using `torch.load` with `weights_only:FutureWarning")
 @pytest.mark.parametrize("s", _states(), ids=["static", "dynamic"])
 def test_every_field_survives_the_tree_rules(s: Any) -> None:
     """The jmp lesson (its flatten forgot a field): each field, settings included, is
