@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
 
 import optree
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from support.helpers import (
     assert_bits_equal,
@@ -32,46 +31,12 @@ from support.helpers import (
     snapshot,
 )
 from support.strategies import realize, specs
+from support.trees import floats_only, per_device, sync
 
 import mpfunc
 
-XLA_RTOL = 1e-6
-TENSOR_MAX_NORM_RTOL = 5 * 2**-24
 ACC_RTOL = 1e-6
 BF16_MARGIN = 4.0
-
-
-def per_device(device: torch.device, cpu: int, xla: int) -> Any:
-    """Hypothesis settings with fewer examples on XLA, where each new tree compiles."""
-    return settings(max_examples=cpu if device.type == "cpu" else xla)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "xla":
-        import torch_xla
-
-        torch_xla.sync()
-
-
-def is_float(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
-def floats_only(tree: Any) -> Any:
-    """Grads exist only for floating leaves: int/bool buffers become None."""
-    return optree.tree_map(lambda t: t if is_float(t) else None, tree, none_is_leaf=True)
-
-
-def to_device(tree: Any, device: torch.device) -> Any:
-    return optree.tree_map(
-        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree, none_is_leaf=True
-    )
-
-
-def clone(tree: Any) -> Any:
-    return optree.tree_map(
-        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree, none_is_leaf=True
-    )
 
 
 # --- fp32 gradient accumulation ------------------------------------------------------------

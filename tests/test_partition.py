@@ -9,36 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.helpers import leaves
 from support.strategies import realize, specs
+from support.trees import grads_for, model_tree
 
 import mpfunc
 
 
-def _model_tree() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return {
-        "emb": torch.randn(10, 4, generator=gen),
-        "layers": [
-            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
-            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
-        ],
-        "ln": {"weight": torch.randn(4, generator=gen), "steps": torch.tensor(3)},
-    }
-
-
-def _grads(step: int, params: dict) -> dict:
-    gen = torch.Generator().manual_seed(100 + step)
-    import optree
-
-    return optree.tree_map(
-        lambda p: torch.randn(p.shape, generator=gen) if p.is_floating_point() else None,
-        params,
-        none_is_leaf=True,
-    )
-
-
 @pytest.mark.parametrize("how", ["predicate", "label-tree"])
 def test_no_weight_decay_on_biases_matches_param_groups(how: str) -> None:
-    params = _model_tree()
+    params = model_tree()
     opts = {
         "decay": mpfunc.adamw(lr=1e-2, weight_decay=0.1),
         "no_decay": mpfunc.adamw(lr=1e-2, weight_decay=0.0),
@@ -66,7 +44,7 @@ def test_no_weight_decay_on_biases_matches_param_groups(how: str) -> None:
         fused=True,
     )
     for k in range(5):
-        g = _grads(k, params)
+        g = grads_for(k, params)
         masters, state = mpfunc.apply_update(masters, g, state, opt)
         gd = [g["emb"], g["layers"][0]["w"], g["layers"][1]["w"]]
         gn = [g["layers"][0]["b"], g["layers"][1]["b"], g["ln"]["weight"]]
@@ -82,7 +60,7 @@ def test_no_weight_decay_on_biases_matches_param_groups(how: str) -> None:
 
 def test_partition_checks_every_state_before_writing() -> None:
     """A bad sub-state is found before any sub-optimizer writes."""
-    params = _model_tree()
+    params = model_tree()
     labels = lambda path, p: "a" if path.startswith("emb") else "b"  # noqa: E731
     opt = mpfunc.partition({"a": mpfunc.sgd(lr=0.1), "b": mpfunc.sgd(lr=0.1, momentum=0.9)}, labels)
     plain = mpfunc.partition({"a": mpfunc.sgd(lr=0.1), "b": mpfunc.sgd(lr=0.1)}, labels)
@@ -91,7 +69,7 @@ def test_partition_checks_every_state_before_writing() -> None:
     bad = dict(state, b=plain.init(masters)["b"])  # "b" without its momentum buffer
     before = masters["emb"].clone()
     with pytest.raises(ValueError, match="momentum_buffer"):
-        mpfunc.apply_update_(masters, _grads(0, params), bad, opt)
+        mpfunc.apply_update_(masters, grads_for(0, params), bad, opt)
     assert torch.equal(masters["emb"], before)
 
 

@@ -2,33 +2,11 @@
 
 from __future__ import annotations
 
-import optree
 import pytest
 import torch
+from support.trees import grads_for
 
 import mpfunc
-
-
-def _model_tree() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return {
-        "emb": torch.randn(10, 4, generator=gen),
-        "layers": [
-            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
-            {"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)},
-        ],
-        "ln": {"weight": torch.randn(4, generator=gen), "steps": torch.tensor(3)},
-    }
-
-
-def _grads(step: int, params: dict) -> dict:
-    gen = torch.Generator().manual_seed(100 + step)
-
-    return optree.tree_map(
-        lambda p: torch.randn(p.shape, generator=gen) if p.is_floating_point() else None,
-        params,
-        none_is_leaf=True,
-    )
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
@@ -50,7 +28,7 @@ def test_schedule_matches_lambda_lr(name: str) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(ref, lr_lambda=factor)
     peak = max(float(t.abs().max()) for t in ref_t)
     for k in range(20):
-        g = _grads(k, params)
+        g = grads_for(k, params)
         masters, state = mpfunc.apply_update(masters, g, state, opt)
         ref_t[0].grad, ref_t[1].grad = g["b"], g["w"]
         ref.step()
