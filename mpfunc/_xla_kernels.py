@@ -1,0 +1,630 @@
+"""One traced node per optimizer step on XLA: Adam/AdamW and SGD as XLA user computations.
+
+On the XLA device every torch op is traced into the graph on the host, and for an
+optimizer the tracing is the step: mpfunc's foreach Adam traces about 16 nodes per
+leaf. Here the whole update of a group of leaves (same device) is one node: an XLA
+computation built once with ``torch_xla.core.xla_builder``, cached, and called with
+``torch_xla._XLAC._xla_user_computation`` (the mechanism behind torch_xla's
+documented ``xla_op_registry``). Its results are written back with one
+``torch._foreach_copy_`` per state field, which, like any in-place op, keeps XLA's
+input/output buffer donation; the node lists its inputs so that each buffer is donated
+to its own output (see ``_Leaves``).
+
+The computation is ``mpfunc._adam._foreach`` and ``mpfunc._sgd._foreach`` op for op
+(the HLO torch_xla lowers them to), with the skip applied as ``_optimizer.guarded``
+does. The results agree with the foreach path's within the stated bound and are
+nearly always bit-identical: XLA:CPU fuses ``a * b + c`` into one rounding where both
+ops land in one fusion, and fusion depends on the whole graph, so a few elements can
+differ in the last bit (a 0-d leaf's second moment; SGD with dampening after a skipped
+first step). The same holds for the foreach path itself in two different graphs.
+
+torch_xla's own fused ops (``_xla_adam_optimizer_step_``/``_xla_sgd_optimizer_step_``,
+used by ``torch_xla.amp.syncfree``) cannot keep mpfunc's promises: they take ``lr`` as a
+host double (a tensor lr would need a host read, and lr 0.0 or 1.0 becomes a graph
+constant, so a new graph), compute ``1 - beta2`` and ``1 - beta**t`` in fp32 (the
+stored ``exp_avg_sq`` is 1.7e-4 off torch.optim's at beta2 = 0.9999), need a float
+``found_inf`` of the param dtype, and, for SGD, apply ``maximize`` by negating lr,
+which flips the sign of the momentum buffer and of weight decay.
+
+Also folded into the node, to cut host time further:
+
+* low-precision grads (bf16/fp16) are widened inside, exactly as ``grads_to_fp32_``
+  widens them, so the fp32 grad buffers are not needed on this path;
+* ``model_params``: the masters after the step, rounded to each model param's dtype
+  (round to nearest even), as ``masters_to_model_`` writes them.
+
+What this path does not take (callers keep the foreach path for it): masters or
+moments in a dtype other than float32 (fp64 masters, low-precision state
+strategies), tensors on different devices within one call, and anything but one lr
+and one skip flag per call. torch_xla is imported on first use only.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn, Optional, Union
+
+import torch
+
+__all__ = ["adam_xla_", "clear_cache", "sgd_xla_"]
+
+LR = Union[float, torch.Tensor]
+
+# Computations kept, keyed on the hyperparameters, each leaf's shape and dtypes, and the
+# order of the state inputs (a permutation, never a tensor id): each new tree layout builds
+# one (40 ms for the seed model's 101 leaves) and XLA compiles it into the step graph.
+_CACHE_SIZE = 64
+_cache: dict[tuple[Any, ...], Any] = {}
+_lock = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Drops every cached computation (tests; a process that changes models often)."""
+    with _lock:
+        _cache.clear()
+
+
+def _xb() -> Any:
+    import torch_xla.core.xla_builder as xb
+
+    return xb
+
+
+def _xlac() -> Any:
+    import torch_xla
+
+    return torch_xla._XLAC  # type: ignore[attr-defined]
+
+
+def _type(dtype: torch.dtype) -> str:
+    return str(_xb().Op.from_torch_type(dtype))
+
+
+def _ln(beta: float) -> float:
+    """ln(beta), with ln(0) = -inf so that 1 - 0**t = -expm1(-inf) = 1 (as ``_adam._ln``)."""
+    return math.log(beta) if beta > 0 else -math.inf
+
+
+# --- inputs, keys and the call ---------------------------------------------------------------
+
+
+def _shared_inputs(
+    fn: str,
+    device: torch.device,
+    lr: LR,
+    found_inf: Optional[torch.Tensor],
+    decay: Optional[float],
+    grad_scale: Optional[LR],
+) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+    """lr (and, for a float lr, AdamW's ``1 - lr * weight_decay``), the skip flag and the
+    loss scale as 0-d device tensors, in that order, and their part of the key.
+
+    A float lr becomes a 0-d fp32 input, never a constant, so a schedule of floats does not
+    recompile (torch_xla keeps such scalars as cached device data). Its decay factor is
+    computed in float64 and rounded once, as ``_adam._foreach`` does with a float lr.
+    """
+    inputs = [_scalar(fn, "lr", lr, device)]
+    lr_kind = "tensor" if isinstance(lr, torch.Tensor) else "float"
+    if lr_kind == "float" and decay is not None:
+        inputs.append(torch.full((), 1.0 - float(lr) * decay, dtype=torch.float32, device=device))
+    skip_kind: Optional[torch.dtype] = None
+    if found_inf is not None:
+        if found_inf.shape != () or found_inf.device != device:
+            raise ValueError(
+                f"{fn}: found_inf: expected a 0-d tensor on {device}, got "
+                f"{found_inf.dtype} tensor of shape {tuple(found_inf.shape)} on "
+                f"{found_inf.device}"
+            )
+        if not (found_inf.dtype == torch.bool or found_inf.is_floating_point()):
+            raise TypeError(
+                f"{fn}: found_inf: expected a bool or float tensor, got {found_inf.dtype}"
+            )
+        inputs.append(found_inf)
+        skip_kind = found_inf.dtype
+    if grad_scale is not None:
+        inputs.append(_scalar(fn, "grad_scale", grad_scale, device))
+    return inputs, (lr_kind, skip_kind, grad_scale is not None)
+
+
+def _scalar(fn: str, name: str, value: LR, device: torch.device) -> torch.Tensor:
+    """A float, or a 0-d float32 tensor already on ``device``, as a 0-d device tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.shape != () or value.dtype != torch.float32 or value.device != device:
+            raise ValueError(
+                f"{fn}: {name}: expected a float or a 0-d float32 tensor on {device}, got "
+                f"{value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+            )
+        return value
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+def _run(
+    fn: str,
+    key: tuple[Any, ...],
+    inputs: list[torch.Tensor],
+    build: Callable[[], Any],
+    outputs: Sequence[list[torch.Tensor]],
+) -> None:
+    """Gets (or builds) the computation for ``key``, calls it once, and copies its results
+    into ``outputs`` (one list of destinations per output field; the results come leaf-major:
+    leaf 0's fields, then leaf 1's, ...)."""
+    with _lock:
+        comp = _cache.get(key)
+    if comp is None:
+        comp = build()
+        with _lock:
+            if len(_cache) >= _CACHE_SIZE:
+                _cache.pop(next(iter(_cache)))
+            _cache[key] = comp
+    results = _xlac()._xla_user_computation(f"xla::mpfunc_{fn}", inputs, comp)
+    n_fields = len(outputs)
+    with torch.no_grad():
+        for j, dst in enumerate(outputs):
+            if dst:
+                torch._foreach_copy_(dst, list(results[j::n_fields]))
+
+
+_SCALAR = torch.Size([])
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class _Leaves(NamedTuple):
+    """A checked group, laid out as the computation's parameters.
+
+    ``inputs`` holds first the state the step rewrites (``fields``: masters, moments, step
+    counts), ordered by torch_xla tensor id, then the grads (leaf order). ``order`` says
+    which (field, leaf) each state parameter is: ``field * n + leaf``.
+
+    Why the order: torch_xla donates the buffers of rewritten tensors, and XLA's
+    ``OptimizeInputOutputBufferAlias`` pairs donated parameters with outputs by byte size,
+    first come first served (parameters in parameter order, outputs in torch_xla's output
+    order, which is by tensor id). The graph's parameters follow this node's operands, so
+    listing them by tensor id pairs each buffer with its own output. In any other order,
+    same-sized buffers (a leaf's master and moments, equal layers) pair crosswise and XLA
+    copies every one of them: 800 copies and 3.5x the execution time for the seed model's
+    101 leaves on XLA:CPU.
+    """
+
+    inputs: list[torch.Tensor]
+    order: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]
+    grad_dtypes: tuple[torch.dtype, ...]
+    low_dtypes: Optional[tuple[torch.dtype, ...]]
+    device: torch.device
+
+
+def _by_tensor_id(state: Sequence[torch.Tensor]) -> list[int]:
+    """Positions of ``state`` sorted by torch_xla tensor id (the order torch_xla lists a
+    graph's outputs in); the given order where ids cannot be read."""
+    get_id = getattr(_xlac(), "_xla_get_tensor_id", None)
+    if get_id is None:  # pragma: no cover - every torch_xla 2.x has it
+        return list(range(len(state)))
+    ids = [get_id(t) for t in state]
+    # Descending: torch_xla numbers a graph's parameters in its post-order walk, which
+    # visits a node's operands last to first.
+    return sorted(range(len(state)), key=ids.__getitem__, reverse=True)
+
+
+def _gather(
+    fn: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    moments: Sequence[tuple[str, Sequence[Optional[torch.Tensor]]]],
+    steps: Sequence[torch.Tensor],
+    model_params: Optional[Sequence[Optional[torch.Tensor]]],
+) -> _Leaves:
+    """Checks a group (every check before any write) and lays out its inputs.
+
+    The common case costs one pass of attribute reads per list, compared in bulk; only a
+    failing group runs the per-leaf loop that names the culprit.
+    """
+    n = len(params)
+    for name, seq in (("grads", grads), ("steps", steps), *moments):
+        if len(seq) != n:
+            raise ValueError(f"{fn}: {name}: expected {n} entries (one per param), got {len(seq)}")
+    if model_params is not None and len(model_params) != n:
+        raise ValueError(
+            f"{fn}: model_params: expected {n} entries (one per param), got {len(model_params)}"
+        )
+    device = params[0].device
+    psig = [(t.shape, t.dtype, t.device) for t in params]
+    f32 = torch.float32
+    ok = device.type == "xla" and all(d is f32 and dev == device for _, d, dev in psig)
+    ok = ok and all([(t.shape, t.dtype, t.device) for t in seq] == psig for _, seq in moments)  # type: ignore[union-attr]
+    ok = ok and [(t.shape, t.dtype, t.device) for t in steps] == [(_SCALAR, f32, device)] * n
+    gsig = [(g.shape, g.device) for g in grads]
+    ok = ok and gsig == [(s, dev) for s, _, dev in psig]
+    grad_dtypes = tuple(g.dtype for g in grads)
+    ok = ok and all(d in _FLOATS for d in set(grad_dtypes))
+    low_dtypes = None
+    if model_params is not None:
+        ok = ok and all(t is not None for t in model_params)
+        if ok:
+            low_dtypes = tuple(t.dtype for t in model_params)  # type: ignore[union-attr]
+            ok = [(t.shape, t.device) for t in model_params] == [  # type: ignore[union-attr]
+                (s, dev) for s, _, dev in psig
+            ] and all(d in _FLOATS for d in set(low_dtypes))
+    if not ok:
+        _explain(fn, params, grads, moments, steps, model_params)
+    state = [t for seq in (params, *(seq for _, seq in moments), steps) for t in seq]
+    order = _by_tensor_id(state)  # type: ignore[arg-type]
+    inputs = [state[k] for k in order] + list(grads)
+    shapes = tuple(s for s, _, _ in psig)
+    return _Leaves(inputs, tuple(order), shapes, grad_dtypes, low_dtypes, device)  # type: ignore[arg-type]
+
+
+def _explain(
+    fn: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    moments: Sequence[tuple[str, Sequence[Optional[torch.Tensor]]]],
+    steps: Sequence[torch.Tensor],
+    model_params: Optional[Sequence[Optional[torch.Tensor]]],
+) -> None:
+    """Raises the error for the first leaf at fault."""
+    device = params[0].device
+
+    def where(
+        name: str, i: int, expected: str, got: str, cls: type[Exception] = ValueError
+    ) -> NoReturn:
+        raise cls(f"{fn}: at {name}[{i}]: expected {expected}, got {got}")
+
+    def desc(t: object) -> str:
+        if isinstance(t, torch.Tensor):
+            return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+        return type(t).__name__
+
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.float32:
+            where("params", i, "a float32 master", desc(p), TypeError)
+        if p.device.type != "xla" or p.device != device:
+            where("params", i, f"a tensor on the group's XLA device ({device})", desc(p))
+        g = grads[i]
+        if not isinstance(g, torch.Tensor) or g.dtype not in _FLOATS:
+            where("grads", i, "a floating-point tensor", desc(g), TypeError)
+        if g.shape != p.shape or g.device != p.device:
+            where("grads", i, f"shape {tuple(p.shape)} on {p.device}", desc(g))
+        for name, seq in moments:
+            t = seq[i]
+            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (
+                p.shape, p.dtype, p.device,
+            ):  # fmt: skip
+                where(name, i, f"float32 of shape {tuple(p.shape)} on {p.device}", desc(t))
+        s = steps[i]
+        if not isinstance(s, torch.Tensor) or (s.shape, s.dtype, s.device) != (
+            _SCALAR, torch.float32, p.device,
+        ):  # fmt: skip
+            where("steps", i, f"a 0-d float32 step count on {p.device}", desc(s))
+        if model_params is not None:
+            low = model_params[i]
+            if not isinstance(low, torch.Tensor) or low.dtype not in _FLOATS:
+                where(
+                    "model_params",
+                    i,
+                    "a floating-point tensor for every leaf",
+                    desc(low),
+                    TypeError,
+                )
+            if low.shape != p.shape or low.device != p.device:
+                where("model_params", i, f"shape {tuple(p.shape)} on {p.device}", desc(low))
+    raise AssertionError(f"{fn}: a check failed but no leaf was found at fault")  # pragma: no cover
+
+
+# --- the builders ----------------------------------------------------------------------------
+
+
+class _B:
+    """A small helper around one ``xla_builder`` computation: parameters in order, fp32
+    constants, and casts."""
+
+    def __init__(self, name: str) -> None:
+        self.xb = _xb()
+        self.builder = self.xb.create_builder(name)
+        self.n = 0
+        self._consts: dict[tuple[str, float], Any] = {}
+
+    def param(self, shape: Sequence[int], dtype: torch.dtype) -> Any:
+        op = self.xb.mkparam(self.builder, self.n, self.xb.mkshape(_type(dtype), tuple(shape)))
+        self.n += 1
+        return op
+
+    def f32(self, value: float) -> Any:
+        """A fp32 scalar constant: ``value`` rounded once, as torch_xla rounds a Python
+        scalar that meets an fp32 tensor."""
+        k = ("f32", value)
+        if k not in self._consts:
+            self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="f32")
+        return self._consts[k]
+
+    def state_params(self, group: _Leaves, n_fields: int) -> list[list[Any]]:
+        """The state parameters in ``group.order``, returned as ``[field][leaf]``; the last
+        field is the 0-d step counts, the others are shaped like the masters."""
+        n = len(group.shapes)
+        ops: list[list[Any]] = [[None] * n for _ in range(n_fields)]
+        for k in group.order:
+            field, leaf = divmod(k, n)
+            shape = () if field == n_fields - 1 else group.shapes[leaf]
+            ops[field][leaf] = self.param(shape, torch.float32)
+        return ops
+
+    def grad_params(self, group: _Leaves) -> list[Any]:
+        """The grads' parameters (after the state), widened to fp32 inside."""
+        return [
+            self.to(self.param(shape, dtype), dtype, torch.float32)
+            for shape, dtype in zip(group.shapes, group.grad_dtypes)
+        ]
+
+    def unscale(self, grads: list[Any], scaled: bool) -> list[Any]:
+        """With a loss scale (the last parameter), the widened grads divided by it, as
+        ``grads_to_fp32_(..., scale=)`` divides them after the upcast."""
+        if not scaled:
+            return grads
+        scale = self.param((), torch.float32)
+        return [g / scale for g in grads]
+
+    def skip(self, kind: Optional[torch.dtype]) -> Any:
+        """The skip flag's parameter as a predicate (a float flag skips when nonzero, NaN
+        included), or ``None`` without one."""
+        if kind is None:
+            return None
+        flag = self.param((), kind)
+        if kind == torch.bool:
+            return flag
+        return flag != self.xb.Op.scalar(self.builder, 0, dtype=_type(kind))
+
+    def keep(self, skip: Any, old: Any, new: Any) -> Any:
+        """``old`` where the step is skipped, else ``new``: the same select as
+        ``_optimizer.guarded``, applied to each state value as soon as it is computed.
+
+        Later values read the selected ones (equal to the new ones whenever they are used),
+        never the old buffers: a fusion that still read an old moment after its output was
+        written would make XLA copy that buffer rather than update it in place.
+        """
+        return new if skip is None else skip.select(old, new)
+
+    def to(self, op: Any, src: torch.dtype, dst: torch.dtype) -> Any:
+        return op if src == dst else op.cast(_type(dst))
+
+
+class _AdamHyper(NamedTuple):
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    amsgrad: bool
+    maximize: bool
+
+
+def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one Adam/AdamW step over ``group``.
+
+    Op for op the HLO of ``_adam._foreach`` (with ``_optimizer.guarded`` for the skip):
+    the moments by ``lerp`` (``m + (1 - beta1) * (g - m)``) and ``v * beta2 + g*g *
+    (1 - beta2)``, the bias corrections ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``
+    through ``expm1(t * ln beta)``, and ``p + m / ((sqrt(v) / c2 + eps) / c1)``.
+    """
+    b = _B("mpfunc_adam")
+    f32 = torch.float32
+    state = b.state_params(group, 5 if h.amsgrad else 4)
+    P, M, V, S = state[0], state[1], state[2], state[-1]
+    VM = state[3] if h.amsgrad else [None] * len(P)
+    G = b.grad_params(group)
+    lr_kind, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    use_decay = h.weight_decay != 0 and h.decoupled
+    decay = b.param((), f32) if (use_decay and lr_kind == "float") else None
+    if use_decay and decay is None:
+        # Tensor lr: ``1 - lr * weight_decay`` in fp32 on the device, as _foreach does.
+        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
+    skip = b.skip(skip_kind)
+    ins = list(zip(P, b.unscale(G, scaled), M, V, VM, S))
+
+    one = b.f32(1.0)
+    ln_b1, ln_b2 = b.f32(_ln(h.beta1)), b.f32(_ln(h.beta2))
+    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
+    beta2, eps, wd = b.f32(h.beta2), b.f32(h.eps), b.f32(h.weight_decay)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for (p, g, m, v, vm, s), low in zip(ins, lows):
+        if h.maximize:
+            g = -g
+        s1 = b.keep(skip, s, s + one)
+        p1 = p
+        if h.weight_decay != 0:
+            if h.decoupled:
+                p1 = p * decay
+            else:
+                g = g + p * wd
+        m1 = b.keep(skip, m, m + w1 * (g - m))
+        v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
+        vm1 = None if vm is None else b.keep(skip, vm, vm.max(v1))
+        vd = v1 if vm1 is None else vm1
+        c2 = (-((s1 * ln_b2).expm1())).sqrt()
+        c1 = (one / (s1 * ln_b1).expm1()) * lr
+        denom = ((vd.sqrt() / c2) + eps) / c1
+        p2 = b.keep(skip, p, p1 + m1 / denom)
+        new = [p2, m1, v1] + ([vm1] if vm1 is not None else []) + [s1]
+        if low is not None:
+            new.append(b.to(p2, f32, low))
+        outs.extend(new)
+    return b.xb.Op.tuple(outs).build("mpfunc_adam")
+
+
+class _SGDHyper(NamedTuple):
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+
+
+def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one SGD step over ``group``: op for op ``_sgd._foreach``.
+
+    The buffer starts at zero and the first step is told apart on the device: the
+    gradient's coefficient is ``1 - dampening * min(step, 1)``.
+    """
+    b = _B("mpfunc_sgd")
+    f32 = torch.float32
+    state = b.state_params(group, 3 if h.momentum != 0 else 2)
+    B = state[1] if h.momentum != 0 else [None] * len(state[0])
+    G = b.grad_params(group)
+    _, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    skip = b.skip(skip_kind)
+    ins = list(zip(state[0], b.unscale(G, scaled), B, state[-1]))
+
+    one = b.f32(1.0)
+    mom, wd, neg_damp = b.f32(h.momentum), b.f32(h.weight_decay), b.f32(-h.dampening)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for (p, g, buf, s), low in zip(ins, lows):
+        if h.maximize:
+            g = -g
+        if h.weight_decay != 0:
+            g = g + p * wd
+        buf1 = None
+        if buf is not None:
+            # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
+            coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
+            buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
+            g = g + buf1 * mom if h.nesterov else buf1
+        p1 = b.keep(skip, p, p - g * lr)
+        s1 = b.keep(skip, s, s + one)
+        new = [p1] + ([buf1] if buf1 is not None else []) + [s1]
+        if low is not None:
+            new.append(b.to(p1, f32, low))
+        outs.extend(new)
+    return b.xb.Op.tuple(outs).build("mpfunc_sgd")
+
+
+# --- entry points ----------------------------------------------------------------------------
+
+
+def adam_xla_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avg: Sequence[torch.Tensor],
+    exp_avg_sq: Sequence[torch.Tensor],
+    max_exp_avg_sq: Optional[Sequence[Optional[torch.Tensor]]],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: LR,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[LR] = None,
+    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+) -> None:
+    """One Adam (``decoupled=False``) or AdamW step over same-device XLA tensors, traced as
+    one node.
+
+    The same bits as ``mpfunc._adam._foreach`` (and the same state), in place.
+
+    Args:
+      params: fp32 masters, updated in place.
+      grads: grads shaped like ``params``, of any floating dtype (widened to fp32 inside,
+        exactly as ``grads_to_fp32_`` would).
+      exp_avg, exp_avg_sq, max_exp_avg_sq: the moments (``max_exp_avg_sq`` is read only
+        with ``amsgrad``; pass ``None`` otherwise).
+      steps: 0-d float32 step counts, one per leaf, incremented unless skipped.
+      lr: a float, or a 0-d float32 tensor on the device (changing it never recompiles).
+      beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``mpfunc.adam``.
+      found_inf: ``None``, or a 0-d bool (or float) tensor on the device; where true
+        (nonzero), masters, moments and steps keep their exact bits, with no host read.
+      grad_scale: ``None``, or the loss scale (a float or a 0-d float32 device tensor):
+        the widened grads are divided by it first, as ``grads_to_fp32_(scale=)`` does.
+      model_params: ``None``, or one floating tensor per leaf that receives the master
+        after the step rounded to its dtype (round to nearest even), as
+        ``masters_to_model_`` writes it.
+
+    Raises:
+      TypeError, ValueError: a list's length, a tensor's dtype, shape or device, or ``lr``,
+        ``found_inf`` or ``grad_scale`` is not as stated. Nothing is written then. The
+        hyperparameters are taken as checked (``mpfunc.adam``/``adamw`` check them).
+    """
+    fn = "adam_xla_"
+    if not params:
+        return
+    h = _AdamHyper(
+        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+        bool(amsgrad), bool(maximize),
+    )  # fmt: skip
+    moments: list[tuple[str, Sequence[Optional[torch.Tensor]]]] = [
+        ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+    ]  # fmt: skip
+    if h.amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError(
+                f"{fn}: max_exp_avg_sq: expected a list of tensors (amsgrad), got None"
+            )
+        moments.append(("max_exp_avg_sq", max_exp_avg_sq))
+    group = _gather(fn, params, grads, moments, steps, model_params)
+    decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
+    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
+    key = (
+        "adam", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
+    )  # fmt: skip
+    fields = [list(params), *(list(seq) for _, seq in moments), list(steps)]
+    if model_params is not None:
+        fields.append(list(model_params))
+    build = lambda: _build_adam(h, group, shared_key)  # noqa: E731
+    _run("adam", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
+
+
+def sgd_xla_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffer: Optional[Sequence[Optional[torch.Tensor]]],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: LR,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[LR] = None,
+    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+) -> None:
+    """One SGD step over same-device XLA tensors, traced as one node: the same bits as
+    ``mpfunc._sgd._foreach``, in place.
+
+    Args:
+      params, grads, steps, lr, found_inf, grad_scale, model_params: as ``adam_xla_``.
+      momentum_buffer: buffers (starting at zero) when ``momentum != 0``, else ``None``.
+      momentum, dampening, weight_decay, nesterov, maximize: as ``mpfunc.sgd``.
+
+    Raises:
+      TypeError, ValueError: as ``adam_xla_``.
+    """
+    fn = "sgd_xla_"
+    if not params:
+        return
+    h = _SGDHyper(
+        float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize)
+    )
+    moments: list[tuple[str, Sequence[Optional[torch.Tensor]]]] = []
+    if h.momentum != 0:
+        if momentum_buffer is None:
+            raise ValueError(f"{fn}: momentum_buffer: expected a list of tensors, got None")
+        moments.append(("momentum_buffer", momentum_buffer))
+    group = _gather(fn, params, grads, moments, steps, model_params)
+    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
+    key = (
+        "sgd", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
+    )  # fmt: skip
+    fields = [list(params), *(list(seq) for _, seq in moments), list(steps)]
+    if model_params is not None:
+        fields.append(list(model_params))
+    build = lambda: _build_sgd(h, group, shared_key)  # noqa: E731
+    _run("sgd", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
