@@ -254,7 +254,7 @@ def _state_fields(
         if kind == "step":
             _checks.check_tensor_or_none(fn, where, value, leaves)
             _checks.check_pairs(fn, ref, side, _STEP)
-        elif state_dtype is None and step.kinds is None or not any(step.kinds or ()):
+        elif state_dtype != torch.uint8 and not any(step.kinds or ()):
             # Every master a tensor, moments like it: the one pair check.
             _checks.check_tensor_or_none(fn, where, value, leaves)
             _checks.check_pairs(
@@ -274,7 +274,8 @@ def _state_fields(
                     continue
                 if x is None:
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
-                compute = _compute_dtype(f, fp32[i] is None or fp32[i].unit is None)
+                k = fp32[i]
+                compute = _compute_dtype(f, k is None or k.unit is None)
                 want = _state_format.stored_dtype(compute, state_dtype)
                 why = _state_format.problem(kind, x, f, want)
                 if why is not None:
@@ -440,9 +441,9 @@ def _plan_elementwise(
     work: list[Work] = []
     state_type: Any = rule.state_type
     for key, idx in group_indices(keys).items():
-        device, compute, kernel_name = key[0], key[1], key[2]
+        device, dtype, kernel_name = key[0], key[1], key[2]
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
-        assert isinstance(compute, torch.dtype)
+        assert isinstance(dtype, torch.dtype)
         if steps is not None:
             count = steps[idx[0]]
             assert count is not None
@@ -469,7 +470,7 @@ def _plan_elementwise(
                 kinds={n: k for n, k in kinds_of.items() if n in fields},
                 state_type=state_type,
                 model=None if model is None or model[run[0]] is None else pick(model, run),
-                lr=lr_d, skip=skip_d, scale=scale_d, compute=compute, salts=list(run),
+                lr=lr_d, skip=skip_d, scale=scale_d, compute=dtype, salts=list(run),
                 stats=None if step.stats is None else pick(step.stats, run),
             )  # fmt: skip
             work.append(Work(_run_mixed, mx, hyper))
