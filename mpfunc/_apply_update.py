@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _tree
+from mpfunc import _checks, _dtensor, _gc, _tree
 from mpfunc._checks import Like
 from mpfunc._optimizer import Optimizer, Step, Work
 
@@ -51,7 +51,8 @@ def _check(fn: str, masters: Any, grads: Any, opt: object, skip: object) -> Step
 def _run(work: list[Work]) -> None:
     with torch.no_grad():
         for w in work:
-            w.kernel(w.group, w.hyper)
+            # DTensor leaves (FSDP2): the kernels run on the local shards.
+            w.kernel(_dtensor.local_group(w.group), w.hyper)
 
 
 def _copy(tree: Any) -> Any:
