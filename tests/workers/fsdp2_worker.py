@@ -8,24 +8,18 @@ saves its gathered results to DIR for the parent test.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+import sys
 from typing import Any
 
 import torch
 
 import mpfunc
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/
+from support.examples import load
+
 STEPS = 8
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "fsdp2_train.py"
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("fsdp2_train", EXAMPLE)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -136,7 +130,7 @@ def check_transforms(rank: int, world: int) -> None:
 
 def scenario_all(rank: int, world: int, out: str) -> None:
     check_transforms(rank, world)
-    result = _example().train(STEPS)
+    result = load("fsdp2_train").train(STEPS)
     torch.save({**result, "steps": STEPS}, f"{out}/fsdp2-rank{rank}.pt")
 
 
