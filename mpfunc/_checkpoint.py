@@ -373,7 +373,9 @@ def _tied(
     return []
 
 
-def masters_state_dict(masters: Any) -> dict[str, torch.Tensor]:
+def masters_state_dict(
+    masters: Any, model: torch.nn.Module | None = None
+) -> dict[str, torch.Tensor]:
     """The fp32 masters as a plain CPU ``state_dict`` for an fp32 copy of the model.
 
     With masters made from ``dict(model.named_parameters())`` the keys are the
@@ -382,17 +384,65 @@ def masters_state_dict(masters: Any) -> dict[str, torch.Tensor]:
     trapped in mpfunc's format. Every strategy exports its exact fp32 master: a
     ``RemainderMaster`` its joined 32 bits, a ``KahanMaster`` param + compensation, the
     others their param widened to fp32.
+
+    With ``model`` (the module to load into), every key is matched against
+    ``model.state_dict()`` first, because ``strict=False`` silently skips a key it does
+    not know: a ``torch.compile``d module's ``_orig_mod.`` prefix is added (or dropped,
+    for masters named after a compiled module) where that finds the entry, and a master
+    that matches no entry of its shape raises ``ValueError`` naming it.
+
+    Example::
+
+      fp32_model.load_state_dict(mpfunc.masters_state_dict(masters, fp32_model), strict=False)
     """
     side, _ = _strategy.master_leaves("masters_state_dict", "masters", masters)
     keys = _tree.leaf_paths(masters, units=True)
-    out: dict[str, torch.Tensor] = {}
+    sd: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, leaf in zip(keys, side.leaves):
             if leaf is None:
                 continue
             s = _strategy.by_unit(leaf)
             value = leaf if s is None else s.export(leaf)
-            out[key] = value.detach().cpu().clone()
+            sd[key] = value.detach().cpu().clone()
+    if model is None:
+        return sd
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"masters_state_dict: model: expected None or a torch.nn.Module, got "
+            f"{_checks.describe(model)}"
+        )
+    return _keys_of(model, sd)
+
+
+_COMPILED = "_orig_mod."  # torch.compile's OptimizedModule keeps the module under this name
+
+
+def _keys_of(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` keyed as ``model.state_dict()`` keys its entries, or a ``ValueError``."""
+    target = model.state_dict()
+    by_name = {k.replace(_COMPILED, ""): k for k in target}
+    out: dict[str, torch.Tensor] = {}
+    problems = []
+    for key, value in sd.items():
+        name = by_name.get(key.replace(_COMPILED, ""))
+        if name is None:
+            problems.append(f"{key!r} (no such entry)")
+        elif target[name].shape != value.shape:
+            problems.append(
+                f"{key!r} (shape {tuple(value.shape)}, the model's {name!r} has "
+                f"{tuple(target[name].shape)})"
+            )
+        else:
+            out[name] = value
+    if problems:
+        sample = ", ".join(repr(k) for k in list(target)[:3]) or "none"
+        raise ValueError(
+            f"masters_state_dict: expected every master to name an entry of the model's "
+            f"state_dict, got {len(problems)} that do not: {', '.join(problems[:10])}"
+            f"{' ...' if len(problems) > 10 else ''}. The model's keys look like {sample}: were "
+            f"the masters made from this model's named_parameters()?"
+        )
     return out
 
 

@@ -26,7 +26,15 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _diagnostics, _state_format, _strategy, _strategy_fp32, _tree
+from mpfunc import (
+    _checks,
+    _diagnostics,
+    _dtensor,
+    _state_format,
+    _strategy,
+    _strategy_fp32,
+    _tree,
+)
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
@@ -162,6 +170,7 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     by index whatever the two layouts are. On XLA a same-dtype pair copies from a view,
     so that ``dst`` never shares ``src``'s device buffer (see ``fresh_copy``).
     """
+    dst, src = _dtensor.locals_(dst), _dtensor.locals_(src)  # DTensors: shard by shard
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     with torch.no_grad():
         for (device, to, of), idx in group_indices(keys).items():
@@ -188,10 +197,35 @@ def _lr_on(lr: LRArg, device: torch.device, count: torch.Tensor, cache: dict[Any
         # A copy, so that a schedule returning the count itself is not moved by the
         # step's increment.
         value = lr(count.detach().clone())
+        if is_lazy(device) and not (isinstance(value, torch.Tensor) and value.device == device):
+            _warn_host_schedule(lr, value)
         if isinstance(value, torch.Tensor):
             return value.to(device=device, dtype=torch.float32)
         return float(value)
     return lr
+
+
+_WARNED: set[int] = set()  # ids of the schedules warned about (a reused id only stays quiet)
+
+
+def _warn_host_schedule(schedule: Any, value: object) -> None:
+    """Warns once per schedule that returns a host value for an XLA step count: it read the
+    count back (a host sync each step), or ignores it (each new value a graph constant)."""
+    if id(schedule) in _WARNED:
+        return
+    _WARNED.add(id(schedule))
+    import warnings
+
+    warnings.warn(
+        f"lr schedule {getattr(schedule, '__qualname__', type(schedule).__name__)} returned "
+        f"{_checks.describe(value)} for a step count on an XLA device: it reads the count "
+        "back to the host every step (math.*, min/max, float() or a branch on a tensor wait "
+        "for the device), or ignores it (then each new value compiles a new graph). Compute "
+        "the lr from the count with torch ops (torch.clamp, torch.cos, torch.where) so it "
+        "stays on the device, or pass a 0-d lr tensor and fill_() it.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
