@@ -45,7 +45,9 @@ def check_params(fn: str, side: Side, dtype: torch.dtype | None) -> None:
     _checks.check_no_alias(fn, written=[side._replace(leaves=floating)])
 
 
-def init_master(params: Any, dtype: torch.dtype | None = None) -> Any:
+def init_master(
+    params: Any, dtype: torch.dtype | None = None, *, trainable_only: bool = False
+) -> Any:
     """Returns full-precision master copies of every floating leaf of ``params``.
 
     Each master has the parameter's shape, device and memory layout, in fresh
@@ -60,10 +62,12 @@ def init_master(params: Any, dtype: torch.dtype | None = None) -> Any:
         must appear once: tied weights listed under two names are refused.
       dtype: ``None`` (default: float32 masters, float64 for float64 params), or
         ``torch.float32``/``torch.float64`` for every master.
+      trainable_only: if true, params with ``requires_grad=False`` (frozen, e.g. the base
+        weights under LoRA) get ``None``: no master, so no optimizer state either.
 
     Returns:
       A tree of ``params``' structure holding master tensors, or ``None`` where a leaf
-      is ``None`` or not floating point.
+      is ``None``, not floating point, or frozen under ``trainable_only``.
 
     Raises:
       TypeError: a leaf is neither a dense tensor nor ``None``, a leaf is complex, or
@@ -82,7 +86,7 @@ def init_master(params: Any, dtype: torch.dtype | None = None) -> Any:
     with torch.no_grad():
         masters = [
             fresh_copy(p, master_dtype_for(p, dtype))
-            if p is not None and p.is_floating_point()
+            if p is not None and p.is_floating_point() and (p.requires_grad or not trainable_only)
             else None
             for p in side.leaves
         ]
