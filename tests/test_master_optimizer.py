@@ -670,3 +670,36 @@ def test_frozen_optimizer_keeps_leaves_and_no_state() -> None:
         warnings.simplefilter("error")
         with pytest.raises(TypeError, match="frozen\\(\\) keeps no state"):
             mpfunc.apply_update(tree, grads, {"t": state["t"], "f": 1}, opt)
+
+
+# --- the example --------------------------------------------------------------------------
+
+
+def load_example() -> Any:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "master_optimizer.py"
+    spec = importlib.util.spec_from_file_location("master_optimizer_example", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_runs(device: torch.device, capsys: pytest.CaptureFixture[str]) -> None:
+    loss = load_example().main(["--device", device.type, "--steps", "30", "--hidden", "16"])
+    out = capsys.readouterr().out
+    first = float(out.split("loss ")[1].split()[0])
+    assert loss < first, out
+    assert "6 params with fp32 masters" in out
+
+
+def test_example_saves_and_resumes(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """fp16 with GradScaler (CPU), saved halfway and resumed."""
+    ex, ck = load_example(), str(tmp_path / "run.pt")
+    common = ["--dtype", "fp16", "--steps", "20", "--hidden", "16", "--ckpt", ck]
+    ex.main(common)
+    ex.main(common)
+    out = capsys.readouterr().out
+    assert "saved" in out and "resumed from" in out and "at step 10" in out
