@@ -31,17 +31,25 @@ from mpfunc import _checks, _plan
 from mpfunc._adam import adamw
 from mpfunc._apply_update import apply_update_
 from mpfunc._checks import Side
-from mpfunc._grads_to_fp32 import grads_to_fp32
 from mpfunc._init_master import check_params, init_master
-from mpfunc._masters_to_model import masters_to_model_
 from mpfunc._migrate import native_factory
 from mpfunc._optimizer import Optimizer
 from mpfunc._partition import partition
+from mpfunc._strategy import STRATEGIES
 
 __all__ = ["MasterOptimizer"]
 
-STRATEGIES = ("fp32",)
 _MASTER = "master"
+
+
+def _master_entries(m: Any) -> dict[str, torch.Tensor]:
+    """A master's tensors as ``state_dict()`` holds them: ``{"master": fp32 tensor}`` for
+    the ``"fp32"`` strategy; for the others, the unit's buffers by field name
+    (``"remainder"``, ``"compensation"``, ``"seed"``), never the param itself, which the
+    model's own ``state_dict`` holds."""
+    if isinstance(m, torch.Tensor):
+        return {_MASTER: m}
+    return {name: t for name, t in m._asdict().items() if name != "param"}
 
 
 def _freeze(value: Any) -> Any:
@@ -82,7 +90,10 @@ class MasterOptimizer(torch.optim.Optimizer):
       opt: the mpfunc optimizer *factory*: ``mpfunc.adamw`` (default), ``mpfunc.adam``,
         ``mpfunc.sgd``, ``mpfunc.lion``, or a ``functools.partial`` of one. Its keyword
         arguments are the groups' keys (``lr``, ``betas``, ``weight_decay``, ...).
-      strategy: how masters are kept: ``"fp32"`` (an fp32 copy of each param).
+      strategy: how masters are kept, as in ``init_master``: ``"fp32"`` (an fp32 copy
+        of each param), ``"remainder"``, ``"kahan"``, ``"stochastic"`` or ``"none"``.
+        ``state_dict()`` holds each master's tensors: ``"master"`` for ``"fp32"``, else
+        the strategy's buffer (``"remainder"``, ...); the param itself is the model's.
       **defaults: hyperparameters for every group, passed to ``opt``; the factory's own
         defaults fill the rest.
 
@@ -131,7 +142,7 @@ class MasterOptimizer(torch.optim.Optimizer):
     ) -> None:
         fn = "MasterOptimizer"
         self._factory, keys, full = self._check_factory(fn, opt, defaults)
-        self._strategy = _checks.choice(fn, "strategy", strategy, STRATEGIES)
+        self._strategy = _checks.choice(fn, "strategy", strategy, tuple(STRATEGIES))
         self._keys = keys
         # One slot per param, in torch's order (state_dict indices).
         self._params: list[torch.Tensor] = []
@@ -220,7 +231,12 @@ class MasterOptimizer(torch.optim.Optimizer):
         try:
             self._build(label, group)
             params = list(group["params"])
-            masters = init_master(params, trainable_only=True)
+            # Masters made over the whole flat list, so that each leaf's index (the
+            # stochastic strategy's RNG stream) is its state_dict index.
+            masters = init_master(
+                [None] * len(self._params) + params, strategy=self._strategy,
+                trainable_only=True,
+            )[len(self._params):]  # fmt: skip
             everything = [*self._params, *params]
             check_params(
                 "MasterOptimizer", Side("params", everything, [
@@ -257,7 +273,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             for name in state._fields
             if getattr(state, name) is not None
         }
-        entry[_MASTER] = m
+        entry.update(_master_entries(m))
         self.state[p] = entry
 
     def _lr_on_device(self, label: str, device: torch.device, value: float) -> torch.Tensor:
@@ -315,7 +331,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         """Master and state for a param that had none (frozen when added) and now has a
         grad: made now, as torch.optim makes its state at a param's first step."""
         p, label = self._params[j], str(self._group_of[j])
-        m = init_master([p])[0]
+        m = init_master([None] * j + [p], strategy=self._strategy)[j]
         self._masters[j], self._labels[j] = m, label
         self._versions[j] = p._version
         fresh = self._built[label][1].init(
@@ -333,8 +349,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         """Masters of params written outside the optimizer take the params' new values,
         elementwise where the param differs from the rounded master (on the device)."""
         for j, (p, m) in enumerate(zip(self._params, self._masters)):
-            if m is None or p._version == self._versions[j]:
-                continue
+            if not isinstance(m, torch.Tensor) or p._version == self._versions[j]:
+                continue  # (other strategies keep the param itself as the master's face)
             with torch.no_grad():
                 p_ = p.detach()
                 same = m.to(p_.dtype) == p_
@@ -377,9 +393,10 @@ class MasterOptimizer(torch.optim.Optimizer):
             skip = inf if skip is None else torch.logical_or(skip, inf.to(skip.device))
         self._resync()
         grads = [None if m is None else p.grad for p, m in zip(self._params, self._masters)]
-        g32 = grads_to_fp32(grads, scale=scale)
-        apply_update_(self._masters, g32, self._states, opt, skip=skip)
-        masters_to_model_(self._masters, self._params)
+        # One pass: grads upcast (and unscaled) inside the step, params written back.
+        apply_update_(
+            self._masters, grads, self._states, opt, skip=skip, params=self._params, scale=scale
+        )
         self._versions = [p._version for p in self._params]
         return loss
 

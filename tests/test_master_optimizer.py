@@ -703,3 +703,43 @@ def test_example_saves_and_resumes(tmp_path: Any, capsys: pytest.CaptureFixture[
     ex.main(common)
     out = capsys.readouterr().out
     assert "saved" in out and "resumed from" in out and "at step 10" in out
+
+
+# --- master strategies --------------------------------------------------------------------
+
+
+def test_strategies_train_and_resume() -> None:
+    """``strategy="remainder"`` keeps the fp32 master exactly in bf16 + int16: the moments
+    match the ``"fp32"`` run bit for bit; its state_dict holds the remainder, not a
+    master, and resumes bit for bit."""
+
+    def run(strategy: str, split: int | None = None) -> tuple[Any, list[Any]]:
+        params = make_params()
+        opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2, strategy=strategy)
+        for k in range(6):
+            if k == split:
+                sd = opt.state_dict()
+                model = [p.detach().clone() for p in params]
+                params = make_params(seed=3)
+                with torch.no_grad():
+                    for p, saved in zip(params, model):
+                        p.copy_(saved)
+                opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2, strategy=strategy)
+                opt.load_state_dict(sd)
+            set_grads(k, params, fp32_copies(params))
+            opt.step()
+        return opt, params
+
+    fp32, _ = run("fp32")
+    rem, rem_params = run("remainder")
+    assert sorted(rem.state_dict()["state"][0]) == ["exp_avg", "exp_avg_sq", "remainder", "step"]
+    assert rem.state[rem_params[0]]["remainder"].dtype == torch.int16
+    for p, q in zip(fp32._params, rem_params):
+        assert_bits_equal(fp32.state[p]["exp_avg_sq"], rem.state[q]["exp_avg_sq"])
+    resumed, resumed_params = run("remainder", split=3)
+    for p, q in zip(rem_params, resumed_params):
+        assert_bits_equal(p.detach(), q.detach())
+        for key in ("exp_avg", "remainder", "step"):
+            assert torch.equal(rem.state[p][key], resumed.state[q][key])
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: init_master"):
+        mpfunc.MasterOptimizer([torch.ones(3, requires_grad=True)], strategy="remainder")
