@@ -165,8 +165,10 @@ def apply_update(
     # The copies are planned (checked) and written; the inputs are only read. A bad
     # state raises from the plan with the same paths, before any kernel runs.
     new_masters, new_state = _copy(masters), _copy(state)
-    m = step.masters._replace(tree=new_masters, leaves=_tree.flatten(new_masters)[0])
-    _run(opt.plan(step._replace(masters=m), new_state, fn))
+    leaves = _tree.flatten(new_masters, units=True)[0]
+    m = step.masters._replace(tree=new_masters, leaves=leaves)
+    faces = [_strategy.face(x) for x in leaves]
+    _run(opt.plan(step._replace(masters=m, faces=faces), new_state, fn))
     return new_masters, new_state
 
 

@@ -353,11 +353,20 @@ class Mixed(NamedTuple):
     stats: list[Any] | None
 
 
+def _upcast(g: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` in ``dtype``, laid out like ``like`` (the master's values), so that a fused
+    kernel pairs it by position; the copy pairs by index whatever ``g``'s layout."""
+    out = torch.empty_like(like, dtype=dtype, memory_format=torch.preserve_format)
+    return out.copy_(g)
+
+
 def _run_mixed(mx: Mixed, hyper: Any) -> None:
     """Load fp32 values (masters, grads upcast and unscaled, moments), run the kernel on
     them, store them back (strategy, state format, rounded params), in one chunk."""
     values = mx.strategy.load(mx.masters)
-    grads = [g if g.dtype == mx.compute else g.to(mx.compute) for g in mx.grads]
+    grads = [
+        g if g.dtype == mx.compute else _upcast(g, v, mx.compute) for g, v in zip(mx.grads, values)
+    ]
     if mx.scale is not None:
         # Out of place: the caller's grads are only read. Same bits as grads_to_fp32_'s
         # in-place division of its fp32 copies.
@@ -452,7 +461,9 @@ def _plan_elementwise(
                 f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {compute} on {f.device}. "
                 "Use impl='auto' or 'foreach'."
             )
-        tensors = [t for t in (f, g, *stored) if isinstance(t, torch.Tensor)]
+        # A grad narrower than the step is upcast into a temporary laid out like the master
+        # (_run_mixed), so only a full-precision grad's own layout counts.
+        tensors = [t for t in (f, g if g.dtype == compute else None, *stored) if t is not None]
         chosen = "foreach" if impl == "auto" else impl
         if (
             impl in ("auto", "fused")
@@ -540,6 +551,8 @@ def elementwise(
         side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
         faces = [_strategy.face(m) for m in side.leaves]
         plain = [_strategy.by_unit(m) is None for m in side.leaves]
+        if state_dtype == torch.uint8:
+            _state_format.check_quantizable(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)
