@@ -63,6 +63,11 @@ class Group(NamedTuple):
     tensors, also written in place, and whose unused fields are ``None``. ``lr`` is a
     float or a 0-d tensor on the group's device. When ``skip`` (0-d bool, on the device)
     is true, the kernel must leave every tensor it writes bit-identical.
+
+    ``model``: the low-precision params to write the rounded masters into (round to
+    nearest even, as ``Tensor.to``), or ``None``. ``scale``: a 0-d fp32 divisor for the
+    grads, on the device, or ``None``. Only kernels that declare them (``"native"``,
+    ``"xla"``) receive grads in low precision, a ``model`` or a ``scale``.
     """
 
     params: list[torch.Tensor]
@@ -70,6 +75,8 @@ class Group(NamedTuple):
     state: Any
     lr: LR
     skip: torch.Tensor | None
+    model: list[torch.Tensor] | None = None
+    scale: torch.Tensor | None = None
 
 
 # Every kernel has this signature: (group, hyperparameters) -> None, writing in place.

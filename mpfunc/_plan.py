@@ -4,9 +4,11 @@ torch's multi-tensor kernels take lists whose tensors share one device and one
 dtype. A step's leaves are grouped by (device, dtype, implementation), and each
 group becomes one or more kernel calls (``Work``):
 
-* ``auto`` picks ``fused`` where the rule has a fused kernel, torch has one for
-  the device and dtype, and the leaf's tensors (master, grad, state) are dense
-  with equal strides; otherwise ``foreach``. torch's fused kernels pair elements
+* ``auto`` picks ``native`` on the CPU where the rule has one (mpfunc's own kernel,
+  ``_native``), the master and state are float32, the leaf's tensors (master, grad,
+  state) are dense with equal strides, and the kernel builds here; else ``fused`` where
+  the rule has a fused kernel, torch has one for the device and dtype, and the layouts
+  are as for ``native``; otherwise ``foreach``. torch's fused kernels pair elements
   by memory position, so a channels_last master with a contiguous grad would mix
   elements silently: such leaves take the foreach path, which pairs by index.
   An explicit ``impl="fused"`` falls back the same way, leaf by leaf.
@@ -26,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from mpfunc import _checks, _tree
+from mpfunc import _checks, _native, _tree
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._optimizer import Group, Optimizer, Rule, Step, Work
 
@@ -162,13 +164,44 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     with torch.no_grad():
         for (device, to, of), idx in group_indices(keys).items():
-            sources = pick(src, idx)
+            targets, sources = pick(dst, idx), pick(src, idx)
+            assert isinstance(device, torch.device)
+            if device.type == "cpu":
+                targets, sources = _native_cast_(to, of, targets, sources)
+                if not targets:
+                    continue
             if to == of and isinstance(device, torch.device) and is_lazy(device):
                 # torch_xla turns copy_ from a tensor's own data into sharing that data,
                 # and even from a clone of it; from a view it traces a node, so dst gets
                 # a buffer of its own at the next sync (exact: a view changes no bit).
                 sources = [s.view_as(s) for s in sources]
-            torch._foreach_copy_(pick(dst, idx), sources)
+            torch._foreach_copy_(targets, sources)
+
+
+def _native_cast_(
+    to: Any, of: Any, dst: list[torch.Tensor], src: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """On the CPU, casts the pairs that share one dense layout with mpfunc's native kernel
+    (one parallel pass with streaming stores, bit for bit ``Tensor.to``) where the dtypes
+    and sizes make it worth it and it builds; returns the pairs left to ``_foreach_copy_``."""
+    fits = [_same_layout([d, s]) for d, s in zip(dst, src)]
+    numel = sum(d.numel() for d, ok in zip(dst, fits) if ok)
+    if not _native.casts(to, of, numel) or not _native.cast_agrees(to, of):
+        return dst, src
+    _native.cast_([d for d, ok in zip(dst, fits) if ok], [s for s, ok in zip(src, fits) if ok])
+    return [d for d, ok in zip(dst, fits) if not ok], [s for s, ok in zip(src, fits) if not ok]
+
+
+def _native_fits(rule: Rule, m: torch.Tensor, g: torch.Tensor, state: list[Any]) -> bool:
+    """Whether the rule's ``native`` kernel can take this leaf: CPU, float32 master and
+    state, one dense layout (it walks memory in order, as torch's fused kernels do)."""
+    return (
+        "native" in rule.kernels
+        and m.device.type == "cpu"
+        and m.dtype == torch.float32
+        and all(t is None or t.dtype == torch.float32 for t in state)
+        and _same_layout([m, g, *state])
+    )
 
 
 # --- elementwise optimizers ---------------------------------------------------------------
@@ -256,11 +289,16 @@ def _plan_elementwise(
             keys.append(None)
             continue
         chosen = "foreach" if impl == "auto" else impl
+        state_i = [f[i] for f in moments]
+        if impl == "auto" and _native_fits(rule, m, g, state_i) and _native.available():
+            # One grad dtype per call (the kernel converts them in its loads).
+            keys.append((m.device, m.dtype, "native", g.dtype))
+            continue
         if (
             impl in ("auto", "fused")
             and has_fused
             and fused_supported(m.device, m.dtype)
-            and _same_layout([m, g, *(f[i] for f in moments)])
+            and _same_layout([m, g, *state_i])
         ):
             chosen = "fused"
         elif impl == "fused" and not fused_supported(m.device, m.dtype):
@@ -277,7 +315,7 @@ def _plan_elementwise(
     cache: dict[Any, Any] = {}
     work: list[Work] = []
     state_type: Any = rule.state_type
-    for (device, _, kernel_name), idx in group_indices(keys).items():
+    for (device, _, kernel_name, *_), idx in group_indices(keys).items():
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
         if steps is not None:
             count = steps[idx[0]]
@@ -286,7 +324,8 @@ def _plan_elementwise(
         else:
             lr_d = _lr_on(lr, device, torch.zeros(()), cache)
         skip_d = _skip_on(step.skip, device, cache)
-        runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))
+        whole = kernel_name in ("fused", "native")  # no temporaries to bound
+        runs = [idx] if whole else list(chunks(idx, masters, device))
         for run in runs:
             sliced = {name: pick(f, run) for name, f in fields.items()}
             group_state = state_type(**{n: sliced.get(n) for n in state_type._fields})
