@@ -28,6 +28,7 @@ from mpfunc._checkpoint import (
     state_dict,
 )
 from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
+from mpfunc._diagnostics import UpdateStats, init_stats
 from mpfunc._distributed import (
     all_reduce_grads,
     all_reduce_grads_,
@@ -46,7 +47,12 @@ from mpfunc._masters_to_model import masters_to_model, masters_to_model_
 from mpfunc._optimizer import Optimizer
 from mpfunc._partition import partition
 from mpfunc._policy import Policy
+from mpfunc._quantize import QState
 from mpfunc._sgd import SGDState, sgd
+from mpfunc._strategy_kahan import KahanMaster
+from mpfunc._strategy_none import RoundedMaster
+from mpfunc._strategy_remainder import RemainderMaster
+from mpfunc._strategy_stochastic import StochasticMaster
 from mpfunc._torch_optim import TorchOptimizerState, torch_optimizer
 
 try:
@@ -57,12 +63,18 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare
 __all__ = [
     "AdamState",
     "DynamicLossScale",
+    "KahanMaster",
     "LionState",
     "Optimizer",
     "Policy",
+    "QState",
+    "RemainderMaster",
+    "RoundedMaster",
     "SGDState",
     "StaticLossScale",
+    "StochasticMaster",
     "TorchOptimizerState",
+    "UpdateStats",
     "accumulate_grads",
     "accumulate_grads_",
     "adam",
@@ -79,6 +91,7 @@ __all__ = [
     "grads_to_fp32_",
     "init_grads",
     "init_master",
+    "init_stats",
     "lion",
     "load",
     "load_",

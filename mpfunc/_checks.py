@@ -239,6 +239,18 @@ def lr(fn: str, value: object) -> LRArg:
     return real(fn, "lr", value, ge=0.0)
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+
+
+def state_dtype(fn: str, dtype: object) -> torch.dtype | None:
+    """``None`` (moments like the master) or one of ``STATE_DTYPES``."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in STATE_DTYPES):
+        return dtype
+    names = ", ".join(str(d) for d in STATE_DTYPES)
+    kind = ValueError if isinstance(dtype, torch.dtype) else TypeError
+    raise kind(f"{fn}: state_dtype: expected None or one of {names}, got {dtype!r}")
+
+
 def master_dtype(fn: str, dtype: object) -> torch.dtype | None:
     """``None`` (each master at least fp32 and never narrower than its param) or a master
     dtype, float32 or float64."""
@@ -264,6 +276,7 @@ class Side(NamedTuple):
     name: str
     tree: Any
     leaves: list[Any]
+    units: bool = False  # the tree's units (masters kept as param + buffers) are leaves
 
     def where_present(self, other: Sequence[Any]) -> Side:
         """These leaves where ``other`` holds one, ``None`` elsewhere (positions kept, so
@@ -273,7 +286,7 @@ class Side(NamedTuple):
 
     def path(self, i: int) -> str:
         # One walk of the tree, on the error path only: linear in the number of leaves.
-        return _tree.leaf_paths(self.tree, self.name)[i]
+        return _tree.leaf_paths(self.tree, self.name, units=self.units)[i]
 
 
 def tensor_leaves(fn: str, name: str, tree: Any) -> tuple[Side, PyTreeSpec]:

@@ -201,6 +201,55 @@ def test_kernel_contract_matches_the_three_calls(
     assert_trees_bits_equal(got_p, ref_p)
 
 
+@settings(max_examples=40)
+@given(
+    data=st.data(),
+    low=st.sampled_from([torch.bfloat16, torch.float16]),
+    grads_low=st.booleans(),
+    scale=st.sampled_from([None, 1024.0, "tensor"]),
+    decoupled=st.booleans(),
+    amsgrad=st.booleans(),
+    maximize=st.booleans(),
+    skip=st.sampled_from([None, False, True]),
+    steps=st.integers(1, 2),
+    seed=st.integers(0, 2**20),
+)
+def test_single_pass_through_the_public_api(
+    calls: list[str], data: st.DataObject, low: torch.dtype, grads_low: bool,
+    scale: Any, decoupled: bool, amsgrad: bool, maximize: bool, skip: bool | None,
+    steps: int, seed: int,
+) -> None:  # fmt: skip
+    """``apply_update_(masters, grads, state, opt, params=, scale=)`` runs the native kernel
+    and gives, bit for bit, ``grads_to_fp32_(scale=)`` + torch's fused step +
+    ``masters_to_model_``."""
+    masters, g32 = _tree(data.draw, seed)
+    params = {k: m.to(low) for k, m in masters.items()}
+    masters = mpfunc.init_master(params)
+    factor = 1024.0 if scale is not None else 1.0
+    grads = {
+        k: None if g is None else (g * factor).to(low if grads_low else torch.float32)
+        for k, g in g32.items()
+    }
+    divisor = torch.tensor(1024.0) if scale == "tensor" else scale
+    flag = None if skip is None else torch.tensor(skip)
+    make = mpfunc.adamw if decoupled else mpfunc.adam
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize)
+    auto, fused = make(**kw), make(**kw, impl="fused")  # type: ignore[arg-type]
+    ref_m = {k: v.clone(memory_format=torch.preserve_format) for k, v in masters.items()}
+    ref_p = {k: v.clone(memory_format=torch.preserve_format) for k, v in params.items()}
+    ref_s, state = fused.init(ref_m), auto.init(masters)
+    for _ in range(steps):
+        mpfunc.apply_update_(masters, grads, state, auto, flag, params=params, scale=divisor)
+        ref_g = mpfunc.grads_to_fp32(grads, scale=divisor)
+        mpfunc.apply_update_(ref_m, ref_g, ref_s, fused, flag)
+        mpfunc.masters_to_model_(ref_m, ref_p)
+    assert_trees_bits_equal(masters, ref_m)
+    assert_trees_bits_equal(state, ref_s)
+    assert_trees_bits_equal(params, ref_p)
+    if any(g is not None for g in grads.values()):
+        assert "adam" in calls
+
+
 # --- casts ------------------------------------------------------------------------------------
 
 
