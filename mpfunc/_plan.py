@@ -204,23 +204,29 @@ def _native_cast_(
     return [d for d, ok in zip(dst, fits) if not ok], [s for s, ok in zip(src, fits) if not ok]
 
 
+_NATIVE_IO = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _native_fits(
     rule: Rule, m: Any, g: torch.Tensor, stored: list[Any], param: torch.Tensor | None
 ) -> bool:
     """Whether the rule's ``native`` kernel can take this leaf whole: on the CPU, a float32
     master tensor and float32 state, a grad and model param of the kernel's dtypes, all
-    of one dense layout (it walks memory in order, as torch's fused kernels do)."""
-    low = (torch.float32, torch.bfloat16, torch.float16)
-    return (
-        "native" in rule.kernels
-        and isinstance(m, torch.Tensor)
-        and m.device.type == "cpu"
-        and m.dtype == torch.float32
-        and g.dtype in low
-        and (param is None or param.dtype in low)
-        and all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in stored)
-        and _same_layout([m, g, *stored, param])
-    )
+    of one dense layout (it walks memory in order, as torch's fused kernels do). Runs
+    per leaf per step: cheap tests first, each tensor attribute read once."""
+    if "native" not in rule.kernels or not isinstance(m, torch.Tensor):
+        return False
+    if not m.is_cpu or m.dtype != torch.float32:
+        return False
+    if g.dtype not in _NATIVE_IO or (param is not None and param.dtype not in _NATIVE_IO):
+        return False
+    stride = m.stride()
+    for x in stored:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.stride() != stride:
+            return False
+    if g.stride() != stride or (param is not None and param.stride() != stride):
+        return False
+    return m.is_contiguous() or _dense(m)
 
 
 # --- elementwise optimizers ---------------------------------------------------------------
