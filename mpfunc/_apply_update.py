@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _loss_scale, _plan, _strategy, _tree
+from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _strategy, _tree
 from mpfunc._checks import Like
 from mpfunc._diagnostics import UpdateStats
 from mpfunc._loss_scale import ScaleArg
@@ -117,7 +117,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _run(work: list[Work]) -> None:
     with torch.no_grad():
         for w in work:
-            w.kernel(w.group, w.hyper)
+            # DTensor leaves (FSDP2): the kernels run on the local shards.
+            w.kernel(_dtensor.local_group(w.group), w.hyper)
 
 
 def _copy(tree: Any) -> Any:
