@@ -195,6 +195,16 @@ def _build(name: str, cflags: list[str]) -> ModuleType:
             "30 s to 3 min)", build_dir,
         )  # fmt: skip
     start = time.perf_counter()
+    if cached:
+        # The folder's name is a hash of everything the build depends on, so a library
+        # there is this build: import it directly, without torch's ninja freshness check
+        # (seconds per process; every torchrun worker would pay it).
+        module = _import_built(name, build_dir / f"{name}.so")
+        if module is not None:
+            seconds = time.perf_counter() - start
+            _info.update(name=name, path=module.__file__, cflags=cflags, cached=True,
+                         load_s=seconds, build_s=None)  # fmt: skip
+            return module
     # torch's build warns about compilers it did not test (UserWarning); those are not
     # the caller's warnings, and under ``-W error`` they would abort a working build.
     with warnings.catch_warnings(record=True) as caught:
@@ -222,6 +232,24 @@ def _build(name: str, cflags: list[str]) -> ModuleType:
     )
     if not cached:
         _log.warning("mpfunc: built the native CPU kernel in %.0f s", seconds)
+    return module
+
+
+def _import_built(name: str, path: Path) -> Optional[ModuleType]:
+    """Imports an already built extension, or returns None (then torch's load rebuilds)."""
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+        if spec is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    sys.modules[name] = module
     return module
 
 
