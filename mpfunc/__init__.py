@@ -47,6 +47,7 @@ from mpfunc._optimizer import Optimizer
 from mpfunc._partition import partition
 from mpfunc._policy import Policy
 from mpfunc._sgd import SGDState, sgd
+from mpfunc._sharding import mark_sharding_
 from mpfunc._torch_optim import TorchOptimizerState, torch_optimizer
 
 try:
@@ -84,6 +85,7 @@ __all__ = [
     "load_",
     "load_state_dict",
     "load_state_dict_",
+    "mark_sharding_",
     "masters_state_dict",
     "masters_to_model",
     "masters_to_model_",

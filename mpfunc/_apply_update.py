@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _tree
+from mpfunc import _checks, _gc, _sharding, _tree
 from mpfunc._checks import Like
 from mpfunc._optimizer import Optimizer, Step, Work
 
@@ -99,7 +99,8 @@ def apply_update(
     # state raises from the plan with the same paths, before any kernel runs.
     new_masters, new_state = _copy(masters), _copy(state)
     m = step.masters._replace(tree=new_masters, leaves=_tree.flatten(new_masters)[0])
-    _run(opt.plan(step._replace(masters=m), new_state, fn))
+    with _sharding.kept(_sharding.tensors(new_masters, new_state)):
+        _run(opt.plan(step._replace(masters=m), new_state, fn))
     return new_masters, new_state
 
 
@@ -129,5 +130,7 @@ def apply_update_(
     """
     fn = "apply_update_"
     step = _check(fn, masters, grads, opt, skip)
-    _run(opt.plan(step, state, fn))
+    # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).
+    with _sharding.kept(_sharding.tensors(masters, state)):
+        _run(opt.plan(step, state, fn))
     return masters, state

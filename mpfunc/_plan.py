@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from mpfunc import _checks, _tree
+from mpfunc import _checks, _sharding, _tree
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._optimizer import Group, Optimizer, Rule, Step, Work
 
@@ -160,7 +160,8 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     so that ``dst`` never shares ``src``'s device buffer (see ``fresh_copy``).
     """
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
-    with torch.no_grad():
+    # Under XLA SPMD, copy_ hands dst the source's sharding: keep dst's own.
+    with torch.no_grad(), _sharding.kept(dst):
         for (device, to, of), idx in group_indices(keys).items():
             sources = pick(src, idx)
             if to == of and isinstance(device, torch.device) and is_lazy(device):
@@ -302,7 +303,8 @@ def _like_masters(masters: Any, make: Any) -> Any:
 
 def _zeros(m: torch.Tensor) -> torch.Tensor:
     # The master's layout (channels_last, transposed): fused kernels pair by position.
-    return torch.zeros_like(m, memory_format=torch.preserve_format)
+    # Its XLA SPMD sharding too: zeros_like alone comes out replicated.
+    return _sharding.like_(torch.zeros_like(m, memory_format=torch.preserve_format), m)
 
 
 def _count(m: torch.Tensor) -> torch.Tensor:
