@@ -43,7 +43,8 @@ BOUND = 1e-3
 R4 = "{replicated}"
 
 
-def run_worker(scenario: str, devices: int, out: pathlib.Path) -> dict[str, Any]:
+def spmd_process(args: list[str], devices: int) -> subprocess.CompletedProcess[str]:
+    """Runs ``python ARGS`` with ``devices`` virtual XLA:CPU devices; fails on an error."""
     if importlib.util.find_spec("torch_xla") is None:
         if os.environ.get("MPFUNC_REQUIRE_XLA") == "1":
             pytest.fail("torch_xla is required (MPFUNC_REQUIRE_XLA=1) but does not import")
@@ -54,10 +55,14 @@ def run_worker(scenario: str, devices: int, out: pathlib.Path) -> dict[str, Any]
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), OMP_NUM_THREADS="1",
                XLA_FLAGS=flags)  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, str(WORKER), scenario, str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{scenario} worker failed:\n{proc.stderr[-4000:]}"
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def run_worker(scenario: str, devices: int, out: pathlib.Path) -> dict[str, Any]:
+    spmd_process([str(WORKER), scenario, str(out)], devices)
     result: dict[str, Any] = json.loads((out / f"{scenario}.json").read_text())
     return result
 
@@ -160,6 +165,23 @@ def test_checkpoint_resumes_on_two_devices(runs: dict[str, Any]) -> None:
     assert r["specs"]["fc3.weight"] == "{devices=[1,2]0,1}"
     assert r["steps"] == 10
     assert r["err_vs_cpu"] <= BOUND
+
+
+@pytest.mark.xla
+def test_example() -> None:
+    """examples/spmd_train.py, each pattern at a tiny size: loss falls, and the sharded
+    patterns hold about 1/4 of the masters and state on each device."""
+    example = str(REPO / "examples" / "spmd_train.py")
+    out = spmd_process([example, "--steps", "20", "--mode", "dp", "zero1", "fsdp"], 4).stdout
+    for mode in ("dp", "zero1", "fsdp"):
+        losses = [float(ln.split("loss ")[1]) for ln in out.splitlines() if ln.startswith(mode)
+                  and "loss" in ln]  # fmt: skip
+        assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], (mode, out)
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(mode) and "per device" in ln]
+        held, full = line.split(": ")[1].split(" of ")
+        per = [int(b) for b in held.split()]
+        assert len(per) == 4 and len(set(per)) == 1, line
+        assert per[0] / int(full) == 1 if mode == "dp" else 0.25 < per[0] / int(full) < 0.3
 
 
 # --- without SPMD (this process) ----------------------------------------------------------
