@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mpfunc import _checks, _tree
+from mpfunc import _checks, _plan, _tree
 from mpfunc._checks import Side
 from mpfunc._optimizer import Optimizer, Step, Work
 
@@ -114,8 +114,10 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
             work += opt.plan(sub, state[name], where)
         if functional:  # (a torch.optim state is no tree of tensors)
             # Each sub-plan checks aliasing among its own leaves; across labels too, once.
+            # Masters kept by a strategy other than "fp32" are units (param + buffers).
             everything, _ = _checks.tensor_leaves(where, "state", state)
-            _checks.check_no_alias(where, written=[step.masters, everything], read=[step.grads])
+            masters = _plan.tensor_sides(step.masters)
+            _checks.check_no_alias(where, written=[*masters, everything], read=[step.grads])
         return work
 
     return Optimizer(init=init, plan=plan, functional=functional, name=fn)

@@ -22,13 +22,22 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _sharding, _tree
+from mpfunc import (
+    _checks,
+    _diagnostics,
+    _dtensor,
+    _sharding,
+    _state_format,
+    _strategy,
+    _strategy_fp32,
+    _tree,
+)
 from mpfunc._checks import LR, Like, LRArg, Side
-from mpfunc._optimizer import Group, Optimizer, Rule, Step, Work
+from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
 __all__ = [
     "FOREACH_CHUNK_NUMEL",
@@ -112,7 +121,10 @@ def group_indices(
 
 
 def chunks(
-    idx: list[int], tensors: Sequence[torch.Tensor | None], device: torch.device
+    idx: list[int],
+    tensors: Sequence[torch.Tensor | None],
+    device: torch.device,
+    limit: int = FOREACH_CHUNK_NUMEL,
 ) -> Iterator[list[int]]:
     """Splits ``idx`` into runs of at most ``FOREACH_CHUNK_NUMEL`` elements (one run on lazy
     devices). A single tensor larger than the limit forms a run of its own."""
@@ -124,7 +136,7 @@ def chunks(
     for i in idx:
         t = tensors[i]
         n = t.numel() if t is not None else 0
-        if run and total + n > FOREACH_CHUNK_NUMEL:
+        if run and total + n > limit:
             yield run
             run, total = [], 0
         run.append(i)
@@ -159,6 +171,7 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     by index whatever the two layouts are. On XLA a same-dtype pair copies from a view,
     so that ``dst`` never shares ``src``'s device buffer (see ``fresh_copy``).
     """
+    dst, src = _dtensor.locals_(dst), _dtensor.locals_(src)  # DTensors: shard by shard
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     # Under XLA SPMD, copy_ hands dst the source's sharding: keep dst's own.
     with torch.no_grad(), _sharding.kept(dst):
@@ -186,10 +199,35 @@ def _lr_on(lr: LRArg, device: torch.device, count: torch.Tensor, cache: dict[Any
         # A copy, so that a schedule returning the count itself is not moved by the
         # step's increment.
         value = lr(count.detach().clone())
+        if is_lazy(device) and not (isinstance(value, torch.Tensor) and value.device == device):
+            _warn_host_schedule(lr, value)
         if isinstance(value, torch.Tensor):
             return value.to(device=device, dtype=torch.float32)
         return float(value)
     return lr
+
+
+_WARNED: set[int] = set()  # ids of the schedules warned about (a reused id only stays quiet)
+
+
+def _warn_host_schedule(schedule: Any, value: object) -> None:
+    """Warns once per schedule that returns a host value for an XLA step count: it read the
+    count back (a host sync each step), or ignores it (each new value a graph constant)."""
+    if id(schedule) in _WARNED:
+        return
+    _WARNED.add(id(schedule))
+    import warnings
+
+    warnings.warn(
+        f"lr schedule {getattr(schedule, '__qualname__', type(schedule).__name__)} returned "
+        f"{_checks.describe(value)} for a step count on an XLA device: it reads the count "
+        "back to the host every step (math.*, min/max, float() or a branch on a tensor wait "
+        "for the device), or ignores it (then each new value compiles a new graph). Compute "
+        "the lr from the count with torch ops (torch.clamp, torch.cos, torch.where) so it "
+        "stays on the device, or pass a 0-d lr tensor and fill_() it.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
@@ -202,12 +240,26 @@ def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, A
 
 
 _STEP = Like("the master's", dtypes=(torch.float32,), what="float32 step count", scalar=True)
-_MOMENT = Like("the master's", hint="Was this state made by opt.init() for these masters?")
+_HINT = "Was this state made by opt.init() for these masters?"
+_MOMENT = Like("the master's", hint=_HINT)
+
+# A mixed step (a master strategy, low-precision grads, params written, a state dtype)
+# loads at most this many elements of fp32 temporaries per kernel call on eager
+# devices: a few MiB that stay in cache between loading, stepping and storing. A leaf
+# larger than this is a chunk of its own.
+MIXED_CHUNK_NUMEL = 1 << 18
+
+
+def _compute_dtype(face: torch.Tensor, fp32_kind: bool) -> torch.dtype:
+    """The dtype a leaf's step computes in: its master's for "fp32" masters, else fp32."""
+    if fp32_kind and face.dtype in (torch.float32, torch.float64):
+        return face.dtype
+    return torch.float32
 
 
 def _state_fields(
-    fn: str, rule: Rule, hyper: Any, step: Step, state: Any
-) -> dict[str, list[torch.Tensor | None]]:
+    fn: str, rule: Rule, hyper: Any, step: Step, state: Any, state_dtype: torch.dtype | None
+) -> dict[str, list[Any]]:
     """Each field the hyperparameters use, flattened and checked against the masters."""
     if not isinstance(state, rule.state_type):
         raise TypeError(
@@ -215,7 +267,10 @@ def _state_fields(
             f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
         )
     kinds = rule.fields(hyper)
-    out: dict[str, list[torch.Tensor | None]] = {}
+    faces = step.faces if step.faces is not None else step.masters.leaves
+    fp32 = step.kinds if step.kinds is not None else [None] * len(faces)
+    ref = Side(step.masters.name, step.masters.tree, faces, units=True)
+    out: dict[str, list[Any]] = {}
     for name in rule.state_type._fields:  # type: ignore[attr-defined]
         value = getattr(state, name)
         kind = kinds.get(name)
@@ -227,25 +282,148 @@ def _state_fields(
                 )
             continue
         where = f"{step.state_name}.{name}"
-        side, spec = _checks.tensor_leaves(fn, where, value)
+        leaves, spec = _tree.flatten(value, units=True)
+        side = Side(where, value, leaves, units=True)
         _checks.check_same_structure(
-            fn, "masters", step.masters.tree, step.spec, where, value, spec,
-            "Was this state made by opt.init() for these masters?",
-        )  # fmt: skip
-        _checks.check_pairs(fn, step.masters, side, _STEP if kind == "step" else _MOMENT)
-        out[name] = side.leaves
+            fn, "masters", step.masters.tree, step.spec, where, value, spec, _HINT
+        )
+        if kind == "step":
+            _checks.check_tensor_or_none(fn, where, value, leaves)
+            _checks.check_pairs(fn, ref, side, _STEP)
+        elif state_dtype != torch.uint8 and not any(step.kinds or ()):
+            # Every master a tensor, moments like it: the one pair check.
+            _checks.check_tensor_or_none(fn, where, value, leaves)
+            _checks.check_pairs(
+                fn,
+                ref,
+                side,
+                _MOMENT
+                if state_dtype is None
+                else _MOMENT._replace(dtypes=(state_dtype,), what=str(state_dtype)),
+            )
+        else:
+            for i, (f, x) in enumerate(zip(faces, leaves)):
+                if f is None:
+                    if x is not None:
+                        _checks.fail(ValueError, fn, side.path(i), "None (this leaf has no master)",
+                                     _checks.describe(x))  # fmt: skip
+                    continue
+                if x is None:
+                    _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
+                k = fp32[i]
+                compute = _compute_dtype(f, k is None or k.unit is None)
+                want = _state_format.stored_dtype(compute, state_dtype)
+                why = _state_format.problem(kind, x, f, want)
+                if why is not None:
+                    _checks.fail(why[0], fn, side.path(i), why[1], why[2], _HINT)
+        out[name] = leaves
     return out
 
 
+def tensor_sides(side: Side) -> list[Side]:
+    """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
+    one per unit field, each keeping the unit's path."""
+    width = max((len(x) for x in side.leaves if isinstance(x, tuple)), default=0)
+    if width == 0:
+        return [side]
+    out = []
+    for j in range(width):
+        leaves = [
+            (x[j] if j < len(x) else None) if isinstance(x, tuple) else (x if j == 0 else None)
+            for x in side.leaves
+        ]
+        out.append(side._replace(leaves=leaves))
+    return out
+
+
+class Mixed(NamedTuple):
+    """One chunk of a mixed step: what ``_run_mixed`` loads, steps and stores."""
+
+    kernel: Kernel
+    strategy: Any
+    masters: list[Any]
+    grads: list[torch.Tensor]
+    fields: dict[str, list[Any]]
+    kinds: Mapping[str, str]
+    state_type: Any
+    model: list[torch.Tensor] | None
+    lr: LR
+    skip: torch.Tensor | None
+    scale: torch.Tensor | None
+    compute: torch.dtype
+    salts: list[int]
+    stats: list[Any] | None
+
+
+def _run_mixed(mx: Mixed, hyper: Any) -> None:
+    """Load fp32 values (masters, grads upcast and unscaled, moments), run the kernel on
+    them, store them back (strategy, state format, rounded params), in one chunk."""
+    values = mx.strategy.load(mx.masters)
+    grads = [g if g.dtype == mx.compute else g.to(mx.compute) for g in mx.grads]
+    if mx.scale is not None:
+        # Out of place: the caller's grads are only read. Same bits as grads_to_fp32_'s
+        # in-place division of its fp32 copies.
+        grads = list(torch._foreach_div(grads, mx.scale))
+    state = {}
+    for name, kind in mx.kinds.items():
+        xs = mx.fields[name]
+        state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute)
+    old = [v.clone() for v in values] if mx.stats is not None else None
+    before = (
+        [u.param.clone() for u in mx.masters] if mx.stats is not None and mx.strategy.unit else None
+    )
+    group_state = mx.state_type(**{n: state.get(n) for n in mx.state_type._fields})
+    mx.kernel(Group(values, grads, group_state, mx.lr, mx.skip), hyper)
+    for name, kind in mx.kinds.items():
+        if kind != "step":
+            _state_format.store(mx.fields[name], state[name], kind, mx.skip,
+                                mx.fields.get("step"), mx.salts)  # fmt: skip
+    mx.strategy.store(mx.masters, values, mx.skip)
+    params_before = None
+    if mx.model is not None:
+        if mx.stats is not None:
+            params_before = [p.clone() for p in mx.model]
+        rounded = [v.to(p.dtype) for p, v in zip(mx.model, values)]
+        if mx.skip is not None:
+            rounded = [torch.where(mx.skip, p, r) for p, r in zip(mx.model, rounded)]
+        torch._foreach_copy_(mx.model, rounded)
+    if mx.stats is not None and old is not None:
+        if before is not None:
+            now = [u.param for u in mx.masters]
+        elif mx.model is not None and params_before is not None:
+            before, now = params_before, mx.model
+        else:
+            before = now = None
+        _diagnostics.record(mx.stats, old, values, before, now)
+
+
 def _plan_elementwise(
-    fn: str, rule: Rule, hyper: Any, impl: str, lr: LRArg, step: Step, state: Any
+    fn: str,
+    rule: Rule,
+    hyper: Any,
+    impl: str,
+    lr: LRArg,
+    state_dtype: torch.dtype | None,
+    step: Step,
+    state: Any,
 ) -> list[Work]:
-    fields = _state_fields(fn, rule, hyper, step, state)
+    fields = _state_fields(fn, rule, hyper, step, state, state_dtype)
+    kinds_of = rule.fields(hyper)
     moments = [f for name, f in fields.items() if name != "step"]
-    sides = [Side(f"{step.state_name}.{n}", getattr(state, n), f) for n, f in fields.items()]
+    sides = [
+        t
+        for n, f in fields.items()
+        for t in tensor_sides(Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True))
+    ]
     _checks.check_writable(fn, sides)
-    _checks.check_no_alias(fn, written=[step.masters, *sides], read=[step.grads])
+    written = tensor_sides(step.masters)
+    if step.model is not None:
+        written.append(step.model.where_present(step.masters.leaves))
+    _checks.check_no_alias(fn, written=[*written, *sides], read=[step.grads])
     masters, grads = step.masters.leaves, step.grads.leaves
+    faces = step.faces if step.faces is not None else masters
+    strategies = step.kinds if step.kinds is not None else [None] * len(masters)
+    model = step.model.leaves if step.model is not None else None
     has_fused = "fused" in rule.kernels
     if impl == "fused" and not has_fused:
         raise ValueError(
@@ -256,30 +434,52 @@ def _plan_elementwise(
         if m is None or g is None:
             keys.append(None)
             continue
+        f = faces[i]
+        s = strategies[i]
+        plain = s is None or s.unit is None
+        compute = _compute_dtype(f, plain)
+        stored = [x for x in (mf[i] for mf in moments)]
+        direct = (
+            plain
+            and g.dtype == f.dtype
+            and (model is None or model[i] is None)
+            and step.scale is None
+            and step.stats is None
+            and all(isinstance(x, torch.Tensor) and x.dtype == compute for x in stored)
+        )
+        if impl == "fused" and not fused_supported(f.device, compute):
+            raise ValueError(
+                f"{fn}: at {step.masters.path(i)!r}: impl='fused': expected a device and dtype "
+                f"with a fused torch kernel ({', '.join(_FUSED_DEVICES)}; "
+                f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {compute} on {f.device}. "
+                "Use impl='auto' or 'foreach'."
+            )
+        tensors = [t for t in (f, g, *stored) if isinstance(t, torch.Tensor)]
         chosen = "foreach" if impl == "auto" else impl
         if (
             impl in ("auto", "fused")
             and has_fused
-            and fused_supported(m.device, m.dtype)
-            and _same_layout([m, g, *(f[i] for f in moments)])
+            and fused_supported(f.device, compute)
+            and all(isinstance(x, torch.Tensor) for x in stored)
+            and _same_layout(tensors)
         ):
             chosen = "fused"
-        elif impl == "fused" and not fused_supported(m.device, m.dtype):
-            raise ValueError(
-                f"{fn}: at {step.masters.path(i)!r}: impl='fused': expected a device and dtype "
-                f"with a fused torch kernel ({', '.join(_FUSED_DEVICES)}; "
-                f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {m.dtype} on {m.device}. "
-                "Use impl='auto' or 'foreach'."
-            )
         elif impl == "fused":
             chosen = "foreach"  # layouts differ: pair by index, never by memory position
-        keys.append((m.device, m.dtype, chosen))
+        if direct:
+            keys.append((f.device, compute, chosen))
+        else:
+            name = "fp32" if s is None else s.name
+            mdtype = None if model is None or model[i] is None else model[i].dtype
+            keys.append((f.device, compute, chosen, name, g.dtype, mdtype))
     steps = fields.get("step")
     cache: dict[Any, Any] = {}
     work: list[Work] = []
     state_type: Any = rule.state_type
-    for (device, _, kernel_name), idx in group_indices(keys).items():
+    for key, idx in group_indices(keys).items():
+        device, dtype, kernel_name = key[0], key[1], key[2]
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
+        assert isinstance(dtype, torch.dtype)
         if steps is not None:
             count = steps[idx[0]]
             assert count is not None
@@ -287,24 +487,37 @@ def _plan_elementwise(
         else:
             lr_d = _lr_on(lr, device, torch.zeros(()), cache)
         skip_d = _skip_on(step.skip, device, cache)
-        runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))
-        for run in runs:
-            sliced = {name: pick(f, run) for name, f in fields.items()}
-            group_state = state_type(**{n: sliced.get(n) for n in state_type._fields})
-            group = Group(pick(masters, run), pick(grads, run), group_state, lr_d, skip_d)
-            work.append(Work(rule.kernels[kernel_name], group, hyper))
+        if len(key) == 3:  # direct: the masters are the kernel's own tensors
+            runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))
+            for run in runs:
+                sliced = {name: pick(f, run) for name, f in fields.items()}
+                group_state = state_type(**{n: sliced.get(n) for n in state_type._fields})
+                group = Group(pick(masters, run), pick(grads, run), group_state, lr_d, skip_d)
+                work.append(Work(rule.kernels[kernel_name], group, hyper))
+            continue
+        s = strategies[idx[0]]
+        strategy = _strategy_fp32.STRATEGY if s is None else s
+        scale_d = None if step.scale is None else _scale_on(step.scale, device, cache)
+        for run in chunks(idx, faces, device, MIXED_CHUNK_NUMEL):
+            mx = Mixed(
+                kernel=rule.kernels[kernel_name], strategy=strategy,
+                masters=pick(masters, run), grads=pick(grads, run),
+                fields={name: pick(f, run) for name, f in fields.items()},
+                kinds={n: k for n, k in kinds_of.items() if n in fields},
+                state_type=state_type,
+                model=None if model is None or model[run[0]] is None else pick(model, run),
+                lr=lr_d, skip=skip_d, scale=scale_d, compute=dtype, salts=list(run),
+                stats=None if step.stats is None else pick(step.stats, run),
+            )  # fmt: skip
+            work.append(Work(_run_mixed, mx, hyper))
     return work
 
 
-def _like_masters(masters: Any, make: Any) -> Any:
-    leaves, spec = _tree.flatten(masters)
-    return _tree.unflatten(spec, [None if m is None else make(m) for m in leaves])
-
-
-def _zeros(m: torch.Tensor) -> torch.Tensor:
-    # The master's layout (channels_last, transposed): fused kernels pair by position.
-    # Its XLA SPMD sharding too: zeros_like alone comes out replicated.
-    return _sharding.like_(torch.zeros_like(m, memory_format=torch.preserve_format), m)
+def _scale_on(scale: torch.Tensor, device: torch.device, cache: dict[Any, Any]) -> Any:
+    key = ("scale", device)
+    if key not in cache:
+        cache[key] = scale.to(device=device, dtype=torch.float32, non_blocking=True)
+    return cache[key]
 
 
 def _count(m: torch.Tensor) -> torch.Tensor:
@@ -312,22 +525,45 @@ def _count(m: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=m.device)
 
 
-def elementwise(rule: Rule, hyper: Any, impl: str, lr: LRArg) -> Optimizer:
+def _zeros(
+    kind: str, compute: torch.dtype, face: torch.Tensor, state_dtype: torch.dtype | None
+) -> Any:
+    # The master's layout (channels_last, transposed): fused kernels pair by position.
+    z = _state_format.zeros(kind, compute, face, state_dtype)
+    # Its XLA SPMD sharding too (zeros_like alone comes out replicated): each tensor of
+    # the face's shape (a moment, 8-bit codes; not the per-block scales).
+    for t in _tree.flatten(z)[0]:
+        _sharding.like_(t, face)
+    return z
+
+
+def elementwise(
+    rule: Rule, hyper: Any, impl: str, lr: LRArg, state_dtype: torch.dtype | None = None
+) -> Optimizer:
     """The ``Optimizer`` for an elementwise ``rule`` with these hyperparameters."""
     kinds = rule.fields(hyper)
 
     def init(masters: Any) -> Any:
-        _checks.tensor_leaves(f"{rule.name}.init", "masters", masters)
+        side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
+        faces = [_strategy.face(m) for m in side.leaves]
+        plain = [_strategy.by_unit(m) is None for m in side.leaves]
         state: dict[str, Any] = {}
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)
-            state[name] = None if kind is None else _like_masters(
-                masters, _count if kind == "step" else _zeros
-            )  # fmt: skip
+            if kind is None:
+                state[name] = None
+                continue
+            leaves = [
+                None if f is None
+                else _count(f) if kind == "step"
+                else _zeros(kind, _compute_dtype(f, p), f, state_dtype)
+                for f, p in zip(faces, plain)
+            ]  # fmt: skip
+            state[name] = _tree.unflatten(spec, leaves)
         return rule.state_type(**state)
 
     def plan(step: Step, state: Any, fn: str) -> list[Work]:
-        return _plan_elementwise(fn, rule, hyper, impl, lr, step, state)
+        return _plan_elementwise(fn, rule, hyper, impl, lr, state_dtype, step, state)
 
     return Optimizer(init=init, plan=plan, functional=True, name=rule.name)
 
