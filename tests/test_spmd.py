@@ -13,7 +13,11 @@ max|masters - reference| <= 1e-3 * max|reference| per leaf. The model computes i
 from bf16 params, so the partitioner's reduction over batch shards differs from one device
 only in the order of fp32 sums; the rest of the difference is a bf16 param that rounds the
 other way (one ulp, 2^-8 relative) and what the optimizer makes of it (measured: 1e-4
-after 7 steps, 3e-4 after 10).
+after 7 steps, 3e-4 after 10). Two cases compare coarser values, with their own bounds:
+8-bit moments (1e-2: a moment one code apart moves a step by up to ~10%; measured 3.3e-3)
+and the strategies whose masters are the bf16 params themselves, compared as params
+(2^-5, eight bf16 ulps of the largest element; measured 8e-4 kahan, 1.6e-3 none, 3.1e-3
+remainder, 1.7e-2 stochastic, whose rounding draws follow the value being rounded).
 
 Per-device memory is measured from the device buffers: ``_get_local_shards`` returns every
 shard as it lies on its device, and each device's shard bytes are summed
@@ -40,6 +44,9 @@ from mpfunc import _sharding
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "spmd_worker.py"
 BOUND = 1e-3
+BOUND_UINT8 = 1e-2
+BOUND_PARAMS = 2**-5
+STRATEGIES = ("remainder", "kahan", "stochastic", "none")
 R4 = "{replicated}"
 
 
@@ -136,8 +143,13 @@ def test_one_graph_per_step_no_compiles_no_transfers(runs: dict[str, Any]) -> No
 @pytest.mark.xla
 def test_matches_one_device(runs: dict[str, Any]) -> None:
     c = cases(runs)
+    assert {f"fsdp-adamw-{s}" for s in STRATEGIES} <= set(c)  # each master strategy
     for name, r in c.items():
-        assert r["err_vs_cpu"] <= BOUND, (name, r["err_vs_cpu"])
+        if r["compared"] == "params":
+            bound = BOUND_PARAMS
+        else:
+            bound = BOUND_UINT8 if name.endswith("uint8") else BOUND
+        assert r["err_vs_cpu"] <= bound, (name, r["err_vs_cpu"])
     # Sharding the masters and state changes no bit: the update is elementwise.
     assert c["zero1-adamw"]["err_vs_cpu"] == c["dp-adamw"]["err_vs_cpu"]
     assert c["zero1-adamw-pure"]["err_vs_cpu"] == c["dp-adamw"]["err_vs_cpu"]
@@ -152,8 +164,9 @@ def test_memory_per_device(runs: dict[str, Any]) -> None:
         ratio = c["expected_device_bytes"] / c["full_bytes"]
         if name.startswith("dp"):
             assert ratio == 1, name
-        else:  # about 1/4: only the biases (under 1024 elements) and step counts are whole
-            assert 0.25 < ratio < 0.28, (name, ratio)
+        else:  # about 1/4: only the biases, 8-bit scales (under 1024 elements), step
+            # counts and RNG keys are whole
+            assert 0.25 < ratio < 0.29, (name, ratio)
 
 
 @pytest.mark.xla

@@ -49,6 +49,8 @@ OPTS = {
     "sgd": lambda: mpfunc.sgd(lr=5e-2, momentum=0.9, weight_decay=1e-4),
     "adam": lambda: mpfunc.adam(lr=1e-2, weight_decay=1e-4),
     "adamw": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2),
+    "adamw-bf16": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.bfloat16),
+    "adamw-uint8": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.uint8),
 }
 
 
@@ -64,6 +66,7 @@ class Case(NamedTuple):
     opt: str
     pure: bool = False  # the pure transforms instead of the in-place twins
     checkpoint: bool = False  # save masters and state after the last step
+    strategy: str = "fp32"  # init_master's; the others keep the param itself in the master
 
 
 # A new optimizer or master strategy is one more line.
@@ -74,11 +77,15 @@ CASES = [
     Case("zero1", "adamw", checkpoint=True),
     Case("zero1", "adamw", pure=True),
     Case("fsdp", "adamw"),
+    Case("zero1", "adamw-bf16"),
+    Case("zero1", "adamw-uint8"),  # 8-bit codes like the master; scales marked by the rule
+    *(Case("fsdp", "adamw", strategy=s) for s in ("remainder", "kahan", "stochastic", "none")),
 ]
 
 
 def case_name(c: Case) -> str:
-    return f"{c.mode}-{c.opt}" + ("-pure" if c.pure else "")
+    strategy = "" if c.strategy == "fp32" else f"-{c.strategy}"
+    return f"{c.mode}-{c.opt}{strategy}" + ("-pure" if c.pure else "")
 
 
 def init_params() -> dict[str, torch.Tensor]:
@@ -108,20 +115,20 @@ def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -
     return torch.nn.functional.mse_loss(out, y)
 
 
-def cpu_reference(opt_name: str, steps: int) -> dict[str, torch.Tensor]:
-    """The same training on one device: the CPU, eager, the whole batch."""
+def cpu_reference(opt_name: str, steps: int, strategy: str = "fp32") -> dict[str, torch.Tensor]:
+    """The same training on one device: the CPU, eager, the whole batch. Returns the fp32
+    masters, or for the other strategies the params (what their masters hold)."""
     params = {n: t.requires_grad_() for n, t in init_params().items()}
-    masters = mpfunc.init_master(params)
+    masters = mpfunc.init_master(params, strategy=strategy)
     opt = OPTS[opt_name]()
     state = opt.init(masters)
     for x, y in batches(steps):
         loss_fn(params, x, y).backward()
-        g32 = mpfunc.grads_to_fp32({n: p.grad for n, p in params.items()})
-        mpfunc.apply_update_(masters, g32, state, opt)
-        mpfunc.masters_to_model_(masters, params)
+        grads = {n: p.grad for n, p in params.items()}
+        mpfunc.apply_update_(masters, grads, state, opt, params=params)
         for p in params.values():
             p.grad = None
-    return masters
+    return masters if strategy == "fp32" else {n: p.detach() for n, p in params.items()}
 
 
 def rel_err(a: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -188,7 +195,7 @@ class Run:
             if t is None:
                 continue
             want = self.expected(t, sharded)
-            got = self.spmd.spec(t)
+            got = self.spmd.spec(t) or ("{replicated}" if t.dim() == 0 else "")  # one layout
             if got != want:
                 bad.append(f"{where}: {path}: expected {want}, got {got or 'no annotation'}")
 
@@ -204,12 +211,18 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
     for p in params.values():
         p.requires_grad_()
     data = [(run.to_device(x, True), run.to_device(y, True)) for x, y in batches(STEPS)]
-    masters = mpfunc.init_master(params)
+    masters = mpfunc.init_master(params, strategy=case.strategy)
     if masters_sharded and not params_sharded:
         mpfunc.mark_sharding_(masters, run.mesh, "data")
-    gbuf = mpfunc.init_grads(masters if masters_sharded else params)
+    gbuf = mpfunc.init_grads(params)
+    if masters_sharded and not params_sharded:
+        mpfunc.mark_sharding_(gbuf, run.mesh, "data")
     opt = OPTS[case.opt]()
     state = opt.init(masters)
+    if case.opt.endswith("uint8") and masters_sharded:
+        # opt.init gives the 8-bit codes their master's sharding; the per-block scales
+        # have another shape: mark_sharding_ splits them by its rule.
+        mpfunc.mark_sharding_(state, run.mesh, "data")
     run.sync()
     bad: list[str] = []
     for when in ("init", "init synced"):
@@ -226,7 +239,11 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
             counts = {n: run.count(n) for n in names}
         loss_fn(params, x, y).backward()
         grads = {n: p.grad for n, p in params.items()}
-        if case.pure:
+        if case.strategy != "fp32":  # the single call: bf16 grads in, params written
+            mpfunc.apply_update_(masters, grads, state, opt, params=params)
+            for p in params.values():
+                p.grad = None
+        elif case.pure:
             g32 = mpfunc.grads_to_fp32(grads)
             for n, g in g32.items():  # each fp32 grad has its grad's sharding (if any yet)
                 got, want = run.spmd.spec(g), run.spmd.spec(grads[n])
@@ -261,12 +278,15 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
         "device_bytes": per_device,
         "full_bytes": run.spmd.full_bytes(leaves),
         "expected_device_bytes": sum(run.expected_bytes(t, masters_sharded) for t in leaves),
-        "specs": {n: run.spmd.spec(t) for n, t in masters.items()},
+        "specs": {n: run.spmd.spec(mpfunc._tree.flatten(t)[0][-1]) for n, t in masters.items()},
         "param_specs": {n: run.spmd.spec(t) for n, t in params.items()},
-        "err_vs_cpu": rel_err(masters, cpu_reference(case.opt, STEPS)),
-        "params_are_rounded_masters": all(
-            torch.equal(params[n].detach().cpu(), masters[n].cpu().bfloat16()) for n in masters
+        "compared": "masters" if case.strategy == "fp32" else "params",
+        "err_vs_cpu": rel_err(
+            masters if case.strategy == "fp32" else params,
+            cpu_reference(case.opt, STEPS, case.strategy),
         ),
+        "params_are_rounded_masters": case.strategy != "fp32"
+        or all(torch.equal(params[n].detach().cpu(), masters[n].cpu().bfloat16()) for n in masters),
     }
     if case.checkpoint:
         save_checkpoints({"masters": masters, "opt": state}, out)
@@ -348,7 +368,7 @@ def resume(run: Run, out: Path) -> dict[str, Any]:
         "devices": run.n,
         "bad_specs": bad,
         "loads_agree": same,
-        "specs": {n: run.spmd.spec(t) for n, t in masters.items()},
+        "specs": {n: run.spmd.spec(mpfunc._tree.flatten(t)[0][-1]) for n, t in masters.items()},
         "steps": float(state.step["fc1.weight"].cpu()),
         "err_vs_cpu": rel_err(masters, cpu_reference("adamw", STEPS + RESUMED)),
     }
