@@ -34,6 +34,7 @@ from mpfunc import (
     _diagnostics,
     _dtensor,
     _native,
+    _sharding,
     _state_format,
     _strategy,
     _strategy_fp32,
@@ -177,7 +178,8 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     """
     dst, src = _dtensor.locals_(dst), _dtensor.locals_(src)  # DTensors: shard by shard
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
-    with torch.no_grad():
+    # Under XLA SPMD, copy_ hands dst the source's sharding: keep dst's own.
+    with torch.no_grad(), _sharding.kept(dst):
         for (device, to, of), idx in group_indices(keys).items():
             targets, sources = pick(dst, idx), pick(src, idx)
             assert isinstance(device, torch.device)
@@ -610,7 +612,12 @@ def _zeros(
     kind: str, compute: torch.dtype, face: torch.Tensor, state_dtype: torch.dtype | None
 ) -> Any:
     # The master's layout (channels_last, transposed): fused kernels pair by position.
-    return _state_format.zeros(kind, compute, face, state_dtype)
+    z = _state_format.zeros(kind, compute, face, state_dtype)
+    # Its XLA SPMD sharding too (zeros_like alone comes out replicated): each tensor of
+    # the face's shape (a moment, 8-bit codes; not the per-block scales).
+    for t in _tree.flatten(z)[0]:
+        _sharding.like_(t, face)
+    return z
 
 
 def elementwise(
