@@ -633,3 +633,26 @@ def test_xla_every_strategy_and_state_dtype_is_one_stable_graph(xla_device: torc
         tol = 1e-2 if "stochastic" in n or "uint8" in n else 1e-5
         err = float((xla_m[n] - cpu_m[n]).abs().max())
         assert err <= tol * float(cpu_m[n].abs().max()), (n, err)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_three_call_path_keeps_working(strategy: str) -> None:
+    """grads_to_fp32 -> apply_update_ -> masters_to_model_ with any strategy: the same bits
+    as the single pass; masters_to_model_ has nothing left to do for a unit's own param, and
+    the pure masters_to_model returns fresh copies."""
+    pa, pb = _tiny(), _tiny()
+    ma = mpfunc.init_master(pa, strategy=strategy, seed=1)
+    mb = mpfunc.init_master(pb, strategy=strategy, seed=1)
+    opt = mpfunc.adamw(lr=1e-2)
+    sa, sb = opt.init(ma), opt.init(mb)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in pa.items()}
+        mpfunc.apply_update_(ma, mpfunc.grads_to_fp32(g), sa, opt)
+        mpfunc.masters_to_model_(ma, pa)
+        mpfunc.apply_update_(mb, g, sb, opt, params=pb)
+    _assert_same_bits({"m": ma, "s": sa, "p": pa}, {"m": mb, "s": sb, "p": pb}, "paths")
+    fresh = mpfunc.masters_to_model(ma, pa)
+    for k in pa:
+        assert torch.equal(bits(fresh[k]), bits(pa[k])) and fresh[k] is not pa[k]
+        assert fresh[k].untyped_storage().data_ptr() != pa[k].untyped_storage().data_ptr()
