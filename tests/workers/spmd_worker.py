@@ -50,7 +50,12 @@ OPTS = {
     "adam": lambda: mpfunc.adam(lr=1e-2, weight_decay=1e-4),
     "adamw": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2),
     "adamw-bf16": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.bfloat16),
-    "adamw-uint8": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.uint8),
+    # 8-bit moments need whole 32-element blocks: small biases keep fp32 moments.
+    "adamw-uint8": lambda: mpfunc.partition(
+        {"q": mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.uint8),
+         "f": mpfunc.adamw(lr=1e-2, weight_decay=1e-2)},
+        lambda path, p: "q" if p.numel() >= 32 else "f",
+    ),
 }
 
 
