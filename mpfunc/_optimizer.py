@@ -63,6 +63,12 @@ class Group(NamedTuple):
     tensors, also written in place, and whose unused fields are ``None``. ``lr`` is a
     float or a 0-d tensor on the group's device. When ``skip`` (0-d bool, on the device)
     is true, the kernel must leave every tensor it writes bit-identical.
+
+    ``model`` (optional): the low-precision model params, one per master, that receive the
+    masters after the step rounded to their dtype (round to nearest even, as ``Tensor.to``);
+    written even when skipped. ``scale`` (optional): a 0-d fp32 divisor on the device; the
+    grads, which may then arrive in low precision, are widened and divided by it first.
+    Only a kernel the plan picks for such a group receives them (``"xla"``, ``"native"``).
     """
 
     params: list[torch.Tensor]
@@ -70,6 +76,8 @@ class Group(NamedTuple):
     state: Any
     lr: LR
     skip: torch.Tensor | None
+    model: list[torch.Tensor] | None = None
+    scale: torch.Tensor | None = None
 
 
 # Every kernel has this signature: (group, hyperparameters) -> None, writing in place.
@@ -90,7 +98,7 @@ class Rule(NamedTuple):
     ``fields(hyper)`` maps each state field the hyperparameters use to its kind:
     ``"step"`` (a 0-d float32 count per leaf) or ``"moment"`` (like the master); the
     other fields of ``state_type`` must be ``None``. ``kernels`` maps an implementation
-    name (``"reference"``, ``"foreach"``, ``"fused"``) to its kernel.
+    name (``"reference"``, ``"foreach"``, ``"fused"``, ``"xla"``) to its kernel.
     """
 
     name: str

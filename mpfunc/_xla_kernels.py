@@ -1,4 +1,5 @@
-"""One traced node per optimizer step on XLA: Adam/AdamW and SGD as XLA user computations.
+"""One traced node per optimizer step on XLA: Adam/AdamW, SGD and Lion as XLA user
+computations, the ``"xla"`` kernels of ``mpfunc.adam``/``adamw``/``sgd``/``lion``.
 
 On the XLA device every torch op is traced into the graph on the host, and for an
 optimizer the tracing is the step: mpfunc's foreach Adam traces about 16 nodes per
@@ -10,9 +11,9 @@ documented ``xla_op_registry``). Its results are written back with one
 input/output buffer donation; the node lists its inputs so that each buffer is donated
 to its own output (see ``_Leaves``).
 
-The computation is ``mpfunc._adam._foreach`` and ``mpfunc._sgd._foreach`` op for op
-(the HLO torch_xla lowers them to), with the skip applied as ``_optimizer.guarded``
-does. The results agree with the foreach path's within the stated bound and are
+The computation is ``mpfunc._adam._foreach``, ``mpfunc._sgd._foreach`` and
+``mpfunc._lion._foreach`` op for op (the HLO torch_xla lowers them to), with the skip
+applied as ``_optimizer.unless_skipped`` does. The results agree with the foreach path's within the stated bound and are
 nearly always bit-identical: XLA:CPU fuses ``a * b + c`` into one rounding where both
 ops land in one fusion, and fusion depends on the whole graph, so a few elements can
 differ in the last bit (a 0-d leaf's second moment; SGD with dampening after a skipped
@@ -48,7 +49,7 @@ from typing import Any, NamedTuple, NoReturn, Optional, Union
 
 import torch
 
-__all__ = ["adam_xla_", "clear_cache", "sgd_xla_"]
+__all__ = ["adam_xla_", "clear_cache", "lion_xla_", "sgd_xla_"]
 
 LR = Union[float, torch.Tensor]
 
@@ -376,13 +377,20 @@ class _B:
 
     def keep(self, skip: Any, old: Any, new: Any) -> Any:
         """``old`` where the step is skipped, else ``new``: the same select as
-        ``_optimizer.guarded``, applied to each state value as soon as it is computed.
+        ``_optimizer.unless_skipped``, applied to each state value as soon as it is computed.
 
         Later values read the selected ones (equal to the new ones whenever they are used),
         never the old buffers: a fusion that still read an old moment after its output was
         written would make XLA copy that buffer rather than update it in place.
         """
         return new if skip is None else skip.select(old, new)
+
+    def sign(self, x: Any) -> Any:
+        """torch_xla's ``sign``: -1, +1, or ``x`` itself for a (signed) zero, and 0 for NaN
+        (as torch's), by selects (the builder has no sign op)."""
+        zero = x.zeros_like()
+        signed_zero = (x != x).select(zero, x)
+        return (x > zero).select(x.ones_like(), (x < zero).select(-x.ones_like(), signed_zero))
 
     def to(self, op: Any, src: torch.dtype, dst: torch.dtype) -> Any:
         return op if src == dst else op.cast(_type(dst))
@@ -401,7 +409,7 @@ class _AdamHyper(NamedTuple):
 def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """The computation of one Adam/AdamW step over ``group``.
 
-    Op for op the HLO of ``_adam._foreach`` (with ``_optimizer.guarded`` for the skip):
+    Op for op the HLO of ``_adam._foreach`` (with ``_optimizer.unless_skipped`` for the skip):
     the moments by ``lerp`` (``m + (1 - beta1) * (g - m)``) and ``v * beta2 + g*g *
     (1 - beta2)``, the bias corrections ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``
     through ``expm1(t * ln beta)``, and ``p + m / ((sqrt(v) / c2 + eps) / c1)``.
@@ -499,6 +507,52 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
             new.append(b.to(p1, f32, low))
         outs.extend(new)
     return b.xb.Op.tuple(outs).build("mpfunc_sgd")
+
+
+class _LionHyper(NamedTuple):
+    beta1: float
+    beta2: float
+    weight_decay: float
+    maximize: bool
+
+
+def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one Lion step over ``group``: op for op ``_lion._foreach``.
+
+    torch_xla lowers ``lerp`` to ``m + w * (g - m)`` and ``sign`` to XLA's sign with NaN
+    mapped to 0 (as torch's ``sign``), and both are written that way here.
+    """
+    b = _B("mpfunc_lion")
+    f32 = torch.float32
+    state = b.state_params(group, 3)
+    P, M, S = state
+    G = b.grad_params(group)
+    lr_kind, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    decay = b.param((), f32) if (h.weight_decay != 0 and lr_kind == "float") else None
+    if h.weight_decay != 0 and decay is None:
+        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
+    skip = b.skip(skip_kind)
+    ins = list(zip(P, b.unscale(G, scaled), M, S))
+
+    one = b.f32(1.0)
+    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for (p, g, m, s), low in zip(ins, lows):
+        if h.maximize:
+            g = -g
+        s1 = b.keep(skip, s, s + one)
+        p1 = p * decay if h.weight_decay != 0 else p
+        c = m + w1 * (g - m)
+        direction = b.sign(c)
+        p2 = b.keep(skip, p, p1 - direction * lr)
+        m1 = b.keep(skip, m, m + w2 * (g - m))
+        new = [p2, m1, s1]
+        if low is not None:
+            new.append(b.to(p2, f32, low))
+        outs.extend(new)
+    return b.xb.Op.tuple(outs).build("mpfunc_lion")
 
 
 # --- entry points ----------------------------------------------------------------------------
@@ -628,3 +682,46 @@ def sgd_xla_(
         fields.append(list(model_params))
     build = lambda: _build_sgd(h, group, shared_key)  # noqa: E731
     _run("sgd", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
+
+
+def lion_xla_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avg: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: LR,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool,
+    found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[LR] = None,
+    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+) -> None:
+    """One Lion step over same-device XLA tensors, traced as one node: ``_lion._foreach``
+    op for op, in place.
+
+    Args:
+      params, grads, steps, lr, found_inf, grad_scale, model_params: as ``adam_xla_``.
+      exp_avg: the momentum, like ``params``.
+      beta1, beta2, weight_decay, maximize: as ``mpfunc.lion``.
+
+    Raises:
+      TypeError, ValueError: as ``adam_xla_``.
+    """
+    fn = "lion_xla_"
+    if not params:
+        return
+    h = _LionHyper(float(beta1), float(beta2), float(weight_decay), bool(maximize))
+    group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params)
+    decay = h.weight_decay if h.weight_decay != 0 else None
+    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
+    key = (
+        "lion", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
+    )  # fmt: skip
+    fields: list[list[Any]] = [list(params), list(exp_avg), list(steps)]
+    if model_params is not None:
+        fields.append(list(model_params))
+    build = lambda: _build_lion(h, group, shared_key)  # noqa: E731
+    _run("lion", key, group.inputs + shared, build, fields)
