@@ -13,11 +13,12 @@ to its own output (see ``_Leaves``).
 
 The computation is ``mpfunc._adam._foreach``, ``mpfunc._sgd._foreach`` and
 ``mpfunc._lion._foreach`` op for op (the HLO torch_xla lowers them to), with the skip
-applied as ``_optimizer.unless_skipped`` does. The results agree with the foreach path's within the stated bound and are
-nearly always bit-identical: XLA:CPU fuses ``a * b + c`` into one rounding where both
-ops land in one fusion, and fusion depends on the whole graph, so a few elements can
-differ in the last bit (a 0-d leaf's second moment; SGD with dampening after a skipped
-first step). The same holds for the foreach path itself in two different graphs.
+applied as ``_optimizer.unless_skipped`` does. The results agree with the foreach path's
+within the stated bound and are nearly always bit-identical: XLA:CPU fuses ``a * b + c``
+into one rounding where both ops land in one fusion, and fusion depends on the whole
+graph, so a few elements can differ in the last bit (a 0-d leaf's second moment; SGD
+with dampening after a skipped first step). The same holds for the foreach path itself
+in two different graphs.
 
 torch_xla's own fused ops (``_xla_adam_optimizer_step_``/``_xla_sgd_optimizer_step_``,
 used by ``torch_xla.amp.syncfree``) cannot keep mpfunc's promises: they take ``lr`` as a
@@ -142,29 +143,35 @@ def _scalar(fn: str, name: str, value: LR, device: torch.device) -> torch.Tensor
 
 
 def _run(
-    fn: str,
-    key: tuple[Any, ...],
-    inputs: list[torch.Tensor],
-    build: Callable[[], Any],
-    outputs: Sequence[list[torch.Tensor]],
+    kind: str,
+    h: tuple[Any, ...],
+    group: _Leaves,
+    shared: tuple[list[torch.Tensor], tuple[Any, ...]],
+    build: Callable[[Any, _Leaves, tuple[Any, ...]], Any],
+    fields: Sequence[Sequence[Any]],
+    model_params: Optional[Sequence[Optional[torch.Tensor]]],
 ) -> None:
-    """Gets (or builds) the computation for ``key``, calls it once, and copies its results
-    into ``outputs`` (one list of destinations per output field; the results come leaf-major:
-    leaf 0's fields, then leaf 1's, ...)."""
+    """Gets (or builds, with ``build(h, group, shared_key)``) the computation of this step,
+    calls it once, and copies its results into ``fields`` and ``model_params`` (one list of
+    destinations per output field; the results come leaf-major: leaf 0's fields, then leaf
+    1's, ...)."""
+    inputs, shared_key = shared
+    key = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes)
     with _lock:
         comp = _cache.get(key)
     if comp is None:
-        comp = build()
+        comp = build(h, group, shared_key)
         with _lock:
             if len(_cache) >= _CACHE_SIZE:
                 _cache.pop(next(iter(_cache)))
             _cache[key] = comp
-    results = _xlac()._xla_user_computation(f"xla::mpfunc_{fn}", inputs, comp)
+    outputs = [*fields, *([model_params] if model_params is not None else [])]
+    results = _xlac()._xla_user_computation(f"xla::mpfunc_{kind}", group.inputs + inputs, comp)
     n_fields = len(outputs)
     with torch.no_grad():
         for j, dst in enumerate(outputs):
             if dst:
-                torch._foreach_copy_(dst, list(results[j::n_fields]))
+                torch._foreach_copy_(list(dst), list(results[j::n_fields]))
 
 
 _SCALAR = torch.Size([])
@@ -623,15 +630,9 @@ def adam_xla_(
         moments.append(("max_exp_avg_sq", max_exp_avg_sq))
     group = _gather(fn, params, grads, moments, steps, model_params)
     decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
-    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    key = (
-        "adam", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
-    )  # fmt: skip
-    fields = [list(params), *(list(seq) for _, seq in moments), list(steps)]
-    if model_params is not None:
-        fields.append(list(model_params))
-    build = lambda: _build_adam(h, group, shared_key)  # noqa: E731
-    _run("adam", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
+    shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
+    fields = [params, *(seq for _, seq in moments), steps]
+    _run("adam", h, group, shared, _build_adam, fields, model_params)
 
 
 def sgd_xla_(
@@ -673,15 +674,9 @@ def sgd_xla_(
             raise ValueError(f"{fn}: momentum_buffer: expected a list of tensors, got None")
         moments.append(("momentum_buffer", momentum_buffer))
     group = _gather(fn, params, grads, moments, steps, model_params)
-    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
-    key = (
-        "sgd", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
-    )  # fmt: skip
-    fields = [list(params), *(list(seq) for _, seq in moments), list(steps)]
-    if model_params is not None:
-        fields.append(list(model_params))
-    build = lambda: _build_sgd(h, group, shared_key)  # noqa: E731
-    _run("sgd", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
+    shared = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
+    fields = [params, *(seq for _, seq in moments), steps]
+    _run("sgd", h, group, shared, _build_sgd, fields, model_params)
 
 
 def lion_xla_(
@@ -716,12 +711,5 @@ def lion_xla_(
     h = _LionHyper(float(beta1), float(beta2), float(weight_decay), bool(maximize))
     group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params)
     decay = h.weight_decay if h.weight_decay != 0 else None
-    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    key = (
-        "lion", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
-    )  # fmt: skip
-    fields: list[list[Any]] = [list(params), list(exp_avg), list(steps)]
-    if model_params is not None:
-        fields.append(list(model_params))
-    build = lambda: _build_lion(h, group, shared_key)  # noqa: E731
-    _run("lion", key, group.inputs + shared, build, fields)
+    shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
+    _run("lion", h, group, shared, _build_lion, [params, exp_avg, steps], model_params)
