@@ -38,13 +38,17 @@ def _check(fn: str, masters: Any, grads: Any, opt: object, skip: object) -> Step
             f"torch_optimizer), got {_checks.describe(opt)}"
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
-    m, m_spec = _checks.tensor_leaves(fn, "masters", masters)
-    g, g_spec = _checks.tensor_leaves(fn, "grads", grads)
-    _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", grads, g_spec)
-    _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
-    _checks.check_pairs(fn, m, g, _GRADS)
-    _checks.check_writable(fn, [m])
-    _checks.check_no_alias(fn, written=[m], read=[g])
+    memo = _checks.recall(("apply_update", fn), [("masters", masters), ("grads", grads)])
+    (m, g), (m_spec, g_spec) = memo.sides, memo.specs
+    if not memo.hit:
+        _checks.check_dense(fn, m)
+        _checks.check_dense(fn, g)
+        _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", grads, g_spec)
+        _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
+        _checks.check_pairs(fn, m, g, _GRADS)
+        _checks.check_writable(fn, [m])
+        _checks.check_no_alias(fn, written=[m], read=[g])
+        memo.passed()
     return Step(m, m_spec, g, skip)
 
 

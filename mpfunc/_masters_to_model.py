@@ -16,12 +16,18 @@ _PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
 
 
 def _check(fn: str, masters: Any, params: Any) -> tuple[Side, Side, Any]:
-    m, m_spec = _checks.tensor_leaves(fn, "masters", masters)
-    p, p_spec = _checks.tensor_leaves(fn, "params", params)
-    _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
+    (m_leaves, m_spec), (p_leaves, p_spec) = _tree.flatten(masters), _tree.flatten(params)
+    m, p = Side("masters", masters, m_leaves), Side("params", params, p_leaves)
+    _check_sides(fn, m, p, [m_spec, p_spec])
+    return m, p, p_spec
+
+
+def _check_sides(fn: str, m: Side, p: Side, specs: list[Any]) -> None:
+    _checks.check_dense(fn, m)
+    _checks.check_dense(fn, p)
+    _checks.check_same_structure(fn, "masters", m.tree, specs[0], "params", p.tree, specs[1])
     _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
     _checks.check_pairs(fn, m, p, _PARAMS)
-    return m, p, p_spec
 
 
 @_gc.without_gc
@@ -74,10 +80,14 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
       Nothing is written unless every check passes.
     """
     fn = "masters_to_model_"
-    m, p, _ = _check(fn, masters, params)
-    written = p.where_present(m.leaves)
-    _checks.check_writable(fn, [written])
-    _checks.check_no_alias(fn, written=[written], read=[m])
+    memo = _checks.recall(fn, [("masters", masters), ("params", params)])
+    m, p = memo.sides
+    if not memo.hit:
+        _check_sides(fn, m, p, memo.specs)
+        written = p.where_present(m.leaves)
+        _checks.check_writable(fn, [written])
+        _checks.check_no_alias(fn, written=[written], read=[m])
+        memo.passed()
     pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]
     _plan.copy_grouped_([q for q, _ in pairs], [t for _, t in pairs])
     return params

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from mpfunc import _checks, _tree
-from mpfunc._checks import LR, Like, LRArg, Side
+from mpfunc._checks import LR, Like, LRArg
 from mpfunc._optimizer import Group, Optimizer, Rule, Step, Work
 
 __all__ = [
@@ -226,33 +226,40 @@ _MOMENT = Like("the master's", hint="Was this state made by opt.init() for these
 def _state_fields(
     fn: str, rule: Rule, hyper: Any, step: Step, state: Any
 ) -> dict[str, list[torch.Tensor | None]]:
-    """Each field the hyperparameters use, flattened and checked against the masters."""
+    """Each field the hyperparameters use, flattened and checked against the masters: its
+    structure, each leaf against its master, and that nothing the step writes overlaps
+    itself or another leaf. Remembered (``_checks.recall``) for the next step."""
     if not isinstance(state, rule.state_type):
         raise TypeError(
             f"{fn}: {step.state_name}: expected the {rule.state_type.__name__} made by "
             f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
         )
     kinds = rule.fields(hyper)
-    out: dict[str, list[torch.Tensor | None]] = {}
+    used: list[tuple[str, Any]] = []
     for name in rule.state_type._fields:  # type: ignore[attr-defined]
         value = getattr(state, name)
-        kind = kinds.get(name)
-        if kind is None:
-            if value is not None:
-                raise ValueError(
-                    f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
-                    f"{name}), got {_checks.describe(value)}"
-                )
-            continue
-        where = f"{step.state_name}.{name}"
-        side, spec = _checks.tensor_leaves(fn, where, value)
-        _checks.check_same_structure(
-            fn, "masters", step.masters.tree, step.spec, where, value, spec,
-            "Was this state made by opt.init() for these masters?",
-        )  # fmt: skip
-        _checks.check_pairs(fn, step.masters, side, _STEP if kind == "step" else _MOMENT)
-        out[name] = side.leaves
-    return out
+        if kinds.get(name) is not None:
+            used.append((f"{step.state_name}.{name}", value))
+        elif value is not None:
+            raise ValueError(
+                f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
+                f"{name}), got {_checks.describe(value)}"
+            )
+    tag = ("plan", fn, rule.name, tuple(kinds.items()), step.spec)
+    memo = _checks.recall(tag, used, also=[step.masters, step.grads])
+    if not memo.hit:
+        for (where, value), side, spec in zip(used, memo.sides, memo.specs):
+            _checks.check_dense(fn, side)
+            _checks.check_same_structure(
+                fn, "masters", step.masters.tree, step.spec, where, value, spec,
+                "Was this state made by opt.init() for these masters?",
+            )  # fmt: skip
+            kind = kinds[where.rsplit(".", 1)[1]]
+            _checks.check_pairs(fn, step.masters, side, _STEP if kind == "step" else _MOMENT)
+        _checks.check_writable(fn, memo.sides)
+        _checks.check_no_alias(fn, written=[step.masters, *memo.sides], read=[step.grads])
+        memo.passed()
+    return {where.rsplit(".", 1)[1]: side.leaves for (where, _), side in zip(used, memo.sides)}
 
 
 def _plan_elementwise(
@@ -260,9 +267,6 @@ def _plan_elementwise(
 ) -> list[Work]:
     fields = _state_fields(fn, rule, hyper, step, state)
     moments = [f for name, f in fields.items() if name != "step"]
-    sides = [Side(f"{step.state_name}.{n}", getattr(state, n), f) for n, f in fields.items()]
-    _checks.check_writable(fn, sides)
-    _checks.check_no_alias(fn, written=[step.masters, *sides], read=[step.grads])
     masters, grads = step.masters.leaves, step.grads.leaves
     has_fused = "fused" in rule.kernels
     if impl == "fused" and not has_fused:
