@@ -23,11 +23,14 @@ from mpfunc._checkpoint import (
     load_,
     load_state_dict,
     load_state_dict_,
+    masters_from_remainders,
     masters_state_dict,
+    remainders_state_dict,
     save,
     state_dict,
 )
 from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
+from mpfunc._diagnostics import UpdateStats, init_stats
 from mpfunc._distributed import (
     all_reduce_grads,
     all_reduce_grads_,
@@ -42,11 +45,18 @@ from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
 from mpfunc._init_master import init_master
 from mpfunc._lion import LionState, lion
 from mpfunc._loss_scale import DynamicLossScale, StaticLossScale
+from mpfunc._master_optimizer import MasterOptimizer
 from mpfunc._masters_to_model import masters_to_model, masters_to_model_
+from mpfunc._migrate import from_torch_optim, frozen
 from mpfunc._optimizer import Optimizer
 from mpfunc._partition import partition
 from mpfunc._policy import Policy
+from mpfunc._quantize import QState
 from mpfunc._sgd import SGDState, sgd
+from mpfunc._strategy_kahan import KahanMaster
+from mpfunc._strategy_none import RoundedMaster
+from mpfunc._strategy_remainder import RemainderMaster
+from mpfunc._strategy_stochastic import StochasticMaster
 from mpfunc._torch_optim import TorchOptimizerState, torch_optimizer
 
 try:
@@ -57,12 +67,19 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare
 __all__ = [
     "AdamState",
     "DynamicLossScale",
+    "KahanMaster",
     "LionState",
+    "MasterOptimizer",
     "Optimizer",
     "Policy",
+    "QState",
+    "RemainderMaster",
+    "RoundedMaster",
     "SGDState",
     "StaticLossScale",
+    "StochasticMaster",
     "TorchOptimizerState",
+    "UpdateStats",
     "accumulate_grads",
     "accumulate_grads_",
     "adam",
@@ -75,20 +92,25 @@ __all__ = [
     "broadcast_params_",
     "clip_by_global_norm",
     "clip_by_global_norm_",
+    "from_torch_optim",
+    "frozen",
     "grads_to_fp32",
     "grads_to_fp32_",
     "init_grads",
     "init_master",
+    "init_stats",
     "lion",
     "load",
     "load_",
     "load_state_dict",
     "load_state_dict_",
+    "masters_from_remainders",
     "masters_state_dict",
     "masters_to_model",
     "masters_to_model_",
     "partition",
     "reduce_grads_to_owners",
+    "remainders_state_dict",
     "save",
     "sgd",
     "shard",

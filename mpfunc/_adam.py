@@ -54,8 +54,8 @@ class AdamHyper(NamedTuple):
 
 def _fields(h: AdamHyper) -> Mapping[str, str]:
     return _plan.fields_from(
-        step="step", exp_avg="moment", exp_avg_sq="moment",
-        max_exp_avg_sq="moment" if h.amsgrad else None,
+        step="step", exp_avg="moment", exp_avg_sq="square",
+        max_exp_avg_sq="square" if h.amsgrad else None,
     )  # fmt: skip
 
 
@@ -217,6 +217,7 @@ def _make(
     maximize: bool,
     impl: str,
     decoupled: bool,
+    state_dtype: object = None,
 ) -> Optimizer:
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise TypeError(f"{fn}: betas: expected a pair of floats, got {betas!r}")
@@ -230,7 +231,9 @@ def _make(
         maximize=bool(maximize),
     )
     chosen = _checks.choice(fn, "impl", impl, _plan.IMPLS)
-    return _plan.elementwise(_rule(fn), h, chosen, _checks.lr(fn, lr))
+    return _plan.elementwise(
+        _rule(fn), h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+    )
 
 
 def adam(
@@ -242,6 +245,7 @@ def adam(
     *,
     maximize: bool = False,
     impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
 ) -> Optimizer:
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
@@ -255,6 +259,9 @@ def adam(
         (falls back to foreach, leaf by leaf, where a leaf's tensors differ in layout),
         ``"xla"`` (XLA devices and fp32 masters only), ``"foreach"`` or ``"reference"``
         (a per-tensor loop).
+      state_dtype: how moments are stored: ``None`` (like the master), ``torch.float32``,
+        ``torch.bfloat16`` (computed in fp32, stored rounded) or ``torch.uint8``
+        (blockwise 8-bit, 2.125 bytes per element for two moments with scales).
 
     Returns:
       An ``Optimizer`` whose state is an ``AdamState``.
@@ -263,7 +270,18 @@ def adam(
       TypeError, ValueError: a hyperparameter is out of range (lr < 0, betas outside
         [0, 1), eps < 0, weight_decay < 0) or of the wrong type.
     """
-    return _make("adam", lr, betas, eps, weight_decay, amsgrad, maximize, impl, decoupled=False)
+    return _make(
+        "adam",
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        impl,
+        decoupled=False,
+        state_dtype=state_dtype,
+    )
 
 
 def adamw(
@@ -275,6 +293,7 @@ def adamw(
     *,
     maximize: bool = False,
     impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
 ) -> Optimizer:
     """AdamW: Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
@@ -287,4 +306,15 @@ def adamw(
       state = opt.init(masters)
       masters, state = mpfunc.apply_update_(masters, g32, state, opt)
     """
-    return _make("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, impl, decoupled=True)
+    return _make(
+        "adamw",
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        impl,
+        decoupled=True,
+        state_dtype=state_dtype,
+    )

@@ -17,45 +17,108 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _tree
+from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _strategy, _tree
 from mpfunc._checks import Like
+from mpfunc._diagnostics import UpdateStats
+from mpfunc._loss_scale import ScaleArg
 from mpfunc._optimizer import Optimizer, Step, Work
 
 __all__ = ["apply_update", "apply_update_"]
 
-_MASTERS = Like("", dtypes=_checks.MASTER_DTYPES)
 # A grad may be None: that leaf is skipped, as torch.optim skips params without .grad.
 _GRADS = Like(
-    "the master's", optional=True, hint="Cast grads with grads_to_fp32 first",
+    "the master's", dtypes=_checks.FLOAT_DTYPES, what="a floating-point grad", optional=True,
+    hint="Pass the grads of these masters' params",
     none_why="this leaf has no master: init_master gives none to non-floating params",
+)  # fmt: skip
+_PARAMS = Like(
+    "the master's", dtypes=_checks.FLOAT_DTYPES, what="a floating-point param", spare=True,
+    hint="params= takes the model's params, the tree init_master was given",
 )  # fmt: skip
 
 
-def _check(fn: str, masters: Any, grads: Any, opt: object, skip: object) -> Step:
+def _check(
+    fn: str,
+    masters: Any,
+    grads: Any,
+    opt: object,
+    skip: object,
+    params: Any = None,
+    scale: object = None,
+    stats: Any = None,
+) -> Step:
     if not isinstance(opt, Optimizer):
         raise TypeError(
             f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/lion/partition/"
             f"torch_optimizer), got {_checks.describe(opt)}"
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
-    memo = _checks.recall(("apply_update", fn), [("masters", masters), ("grads", grads)])
-    (m, g), (m_spec, g_spec) = memo.sides, memo.specs
-    if not memo.hit:
-        _checks.check_dense(fn, m)
-        _checks.check_dense(fn, g)
-        _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", grads, g_spec)
-        _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
-        _checks.check_pairs(fn, m, g, _GRADS)
-        _checks.check_writable(fn, [m])
-        _checks.check_no_alias(fn, written=[m], read=[g])
-        memo.passed()
-    return Step(m, m_spec, g, skip)
+    m, m_spec = _strategy.master_leaves(fn, "masters", masters)
+    g, g_spec = _checks.tensor_leaves(fn, "grads", grads)
+    _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", grads, g_spec)
+    faces = [_strategy.face(x) for x in m.leaves]
+    kinds = [_strategy.by_unit(x) for x in m.leaves]
+    ref = m._replace(leaves=faces)
+    _checks.check_pairs(fn, ref, g, _GRADS)
+    for i, (f, x, k) in enumerate(zip(faces, g.leaves, kinds)):
+        # A grad no wider than its master: upcasting it inside the step is exact.
+        if x is None:
+            continue
+        width = f.itemsize if k is None else 4
+        if x.itemsize > width:
+            _checks.fail(
+                TypeError, fn, g.path(i), f"a grad no wider than its {width * 8}-bit master",
+                _checks.describe(x), "Cast grads to the master's dtype",
+            )  # fmt: skip
+    model = None
+    if params is not None:
+        p, p_spec = _checks.tensor_leaves(fn, "params", params)
+        _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
+        _checks.check_pairs(fn, ref, p, _PARAMS)
+        for i, (x, q, k) in enumerate(zip(m.leaves, p.leaves, kinds)):
+            if k is not None and q is not None and not _same_tensor(q, x.param):
+                _checks.fail(
+                    ValueError, fn, p.path(i), f"the param this {type(x).__name__} keeps",
+                    _checks.describe(q), "A master strategy writes its own param: pass the "
+                    "params init_master was given, or leave params=None",
+                )  # fmt: skip
+        # Only the params of "fp32" masters are written here; the units write their own.
+        model = p._replace(leaves=[
+            q if k is None and x is not None else None for x, q, k in zip(m.leaves, p.leaves, kinds)
+        ])  # fmt: skip
+    divisor = _loss_scale.scale_value(fn, scale)
+    stat_leaves = None
+    if stats is not None:
+        stat_leaves, s_spec = _tree.flatten(stats, units=True)
+        _checks.check_same_structure(fn, "masters", masters, m_spec, "stats", stats, s_spec)
+        for i, (x, st) in enumerate(zip(m.leaves, stat_leaves)):
+            if (x is None) != (st is None) or not (st is None or isinstance(st, UpdateStats)):
+                side = _checks.Side("stats", stats, stat_leaves, units=True)
+                _checks.fail(TypeError, fn, side.path(i), "the UpdateStats of init_stats(masters)",
+                             _checks.describe(st))  # fmt: skip
+    sides = _plan.tensor_sides(m)
+    _checks.check_writable(fn, sides if model is None else [*sides, model])
+    _checks.check_no_alias(fn, written=sides if model is None else [*sides, model], read=[g])
+    return Step(m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor,
+                stats=stat_leaves)  # fmt: skip
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor, or two views of the same elements (``p`` and ``p.detach()``)."""
+    if a is b:
+        return True
+    return (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+        and a.stride() == b.stride() and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+    )  # fmt: skip
 
 
 def _run(work: list[Work]) -> None:
     with torch.no_grad():
         for w in work:
-            w.kernel(w.group, w.hyper)
+            # DTensor leaves (FSDP2): the kernels run on the local shards.
+            w.kernel(_dtensor.local_group(w.group), w.hyper)
 
 
 def _copy(tree: Any) -> Any:
@@ -102,36 +165,63 @@ def apply_update(
     # The copies are planned (checked) and written; the inputs are only read. A bad
     # state raises from the plan with the same paths, before any kernel runs.
     new_masters, new_state = _copy(masters), _copy(state)
-    m = step.masters._replace(tree=new_masters, leaves=_tree.flatten(new_masters)[0])
-    _run(opt.plan(step._replace(masters=m), new_state, fn))
+    leaves = _tree.flatten(new_masters, units=True)[0]
+    m = step.masters._replace(tree=new_masters, leaves=leaves)
+    faces = [_strategy.face(x) for x in leaves]
+    _run(opt.plan(step._replace(masters=m, faces=faces), new_state, fn))
     return new_masters, new_state
 
 
 @_gc.without_gc
 def apply_update_(
-    masters: Any, grads: Any, state: Any, opt: Optimizer, skip: torch.Tensor | None = None
+    masters: Any,
+    grads: Any,
+    state: Any,
+    opt: Optimizer,
+    skip: torch.Tensor | None = None,
+    *,
+    params: Any = None,
+    scale: ScaleArg = None,
+    stats: Any = None,
 ) -> tuple[Any, Any]:
-    """One optimizer step, in place: masters and state tensors are overwritten.
+    """One optimizer step, in place: masters, state (and ``params``) are overwritten.
 
     Every check runs before the first write, so a bad input leaves everything as it
-    was. On CPU and CUDA, Adam/AdamW use torch's fused kernels where the layouts allow
-    and allocate nothing; elsewhere the foreach path runs in chunks, so temporaries stay
-    bounded.
+    was. This is the whole mixed-precision update in one call: low-precision grads in,
+    rounded params out, with no fp32 grad tree::
+
+      mpfunc.apply_update_(masters, grads_bf16, state, opt, params=params, scale=ls)
+
+    Grads narrower than their masters are upcast (and divided by ``scale``) a bounded
+    chunk at a time inside the step, and with ``params`` each new ``"fp32"`` master is
+    rounded into its param (round to nearest even, as ``Tensor.to``); masters kept by
+    another strategy write their own param. The results are bit-identical to the three
+    calls ``grads_to_fp32_`` (with ``scale``), ``apply_update_``, ``masters_to_model_``.
+    On CPU and CUDA, Adam/AdamW use torch's fused kernels where the layouts allow;
+    elsewhere the foreach path runs in chunks, so temporaries stay bounded.
 
     Args:
-      masters: the fp32 master tree, updated in place.
-      grads: grads of the masters' structure and dtypes, or ``None`` to skip a leaf.
+      masters: a tree from ``init_master`` (any strategy), updated in place.
+      grads: grads of the masters' structure, in the params' dtype or the masters'
+        (no wider than the master), or ``None`` to skip a leaf.
       state: the optimizer state, updated in place.
       opt: an ``Optimizer``.
-      skip: as in ``apply_update``.
+      skip: as in ``apply_update``; where true, params keep their bits too.
+      params: ``None``, or the model's params (the tree ``init_master`` was given),
+        written in place.
+      scale: ``None``, a loss-scale state, a float or a 0-d tensor: the grads are
+        divided by it in fp32 (as ``grads_to_fp32(..., scale=)``).
+      stats: ``None``, or a tree from ``init_stats(masters)`` to fill with this step's
+        ``UpdateStats`` (lost updates, update-to-weight ratio), on the device.
 
     Returns:
       ``(masters, state)``, the same objects, for symmetry with ``apply_update``.
 
     Raises:
-      TypeError, ValueError: as ``apply_update``.
+      TypeError, ValueError: as ``apply_update``; also a grad wider than its master,
+        ``params`` that are not the masters' params, or a bad ``scale``.
     """
     fn = "apply_update_"
-    step = _check(fn, masters, grads, opt, skip)
+    step = _check(fn, masters, grads, opt, skip, params, scale, stats)
     _run(opt.plan(step, state, fn))
     return masters, state

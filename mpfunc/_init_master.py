@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _tree
+from mpfunc import _checks, _strategy, _tree
 from mpfunc._checks import Side
 from mpfunc._plan import fresh_copy
 
@@ -45,45 +45,80 @@ def check_params(fn: str, side: Side, dtype: torch.dtype | None) -> None:
     _checks.check_no_alias(fn, written=[side._replace(leaves=floating)])
 
 
-def init_master(params: Any, dtype: torch.dtype | None = None) -> Any:
-    """Returns full-precision master copies of every floating leaf of ``params``.
+def init_master(
+    params: Any,
+    dtype: torch.dtype | None = None,
+    *,
+    strategy: Any = "fp32",
+    seed: int = 0,
+    trainable_only: bool = False,
+) -> Any:
+    """Returns the masters of every floating leaf of ``params``, kept by ``strategy``.
 
-    Each master has the parameter's shape, device and memory layout, in fresh
-    storage that shares nothing with the parameter. Leaves that are not floating
-    point (int buffers, bool masks) get no master: their slot holds ``None``, and
-    every other mpfunc function leaves them alone. ``None`` leaves stay ``None``.
-    Masters are detached: the transforms are not differentiable.
+    With the default ``"fp32"`` strategy each master is a full-precision copy with the
+    parameter's shape, device and memory layout, in fresh storage that shares nothing
+    with the parameter. The other strategies keep the parameter itself plus at most a
+    small buffer (see the README's "choosing a strategy"):
+
+    * ``"remainder"``: bf16 param + int16 remainder, exactly the fp32 master (2 B/param);
+    * ``"kahan"``: param + a compensation buffer of the param's dtype (2 B/param);
+    * ``"stochastic"``: the bf16 param, stochastically rounded (a 4-byte RNG key per leaf);
+    * ``"none"``: the param alone, rounded to nearest (plain low-precision training).
+
+    Their masters are NamedTuples (``RemainderMaster(param, remainder)``, ...) that hold
+    the model's own param: a step writes it (``apply_update_``), and the checkpoint of
+    the masters holds everything needed to resume bit for bit.
+
+    Leaves that are not floating point (int buffers, bool masks) get no master: their
+    slot holds ``None``, and every other mpfunc function leaves them alone. ``None``
+    leaves stay ``None``. Masters are detached: the transforms are not differentiable.
 
     Args:
       params: a tree of tensors (dict, list, tuple, NamedTuple, nested), such as
         ``dict(model.named_parameters())``. ``None`` leaves are allowed. Each tensor
         must appear once: tied weights listed under two names are refused.
       dtype: ``None`` (default: float32 masters, float64 for float64 params), or
-        ``torch.float32``/``torch.float64`` for every master.
+        ``torch.float32``/``torch.float64`` for every ``"fp32"`` master.
+      strategy: a strategy name for every leaf, a tree of names shaped like ``params``,
+        or a function ``(path, param) -> name`` (``path`` as in error messages:
+        ``"layers.0.weight"``).
+      seed: the seed of the ``"stochastic"`` strategy's random streams (one per leaf).
+      trainable_only: give no master (``None``) to params with ``requires_grad=False``,
+        such as frozen base weights under LoRA: the optimizers then skip them.
 
     Returns:
-      A tree of ``params``' structure holding master tensors, or ``None`` where a leaf
-      is ``None`` or not floating point.
+      A tree of ``params``' structure holding masters, or ``None`` where a leaf is
+      ``None``, not floating point, or frozen under ``trainable_only``.
 
     Raises:
       TypeError: a leaf is neither a dense tensor nor ``None``, a leaf is complex, or
         ``dtype`` is not a dtype.
-      ValueError: ``dtype`` is not float32 or float64 or is narrower than a param, or
-        two leaves share memory (one tensor under two names).
+      ValueError: ``dtype`` is not float32 or float64 or is narrower than a param, two
+        leaves share memory (one tensor under two names), a strategy name is unknown, or
+        a strategy cannot apply to a leaf (``"remainder"`` on an fp32 param: the error
+        names the path and why).
 
     Example::
 
-      masters = mpfunc.init_master(dict(model.named_parameters()))
+      masters = mpfunc.init_master(dict(model.named_parameters()), strategy="remainder")
     """
     fn = "init_master"
     dtype = _checks.master_dtype(fn, dtype)
+    seed = _checks.integer(fn, "seed", seed)
     side, spec = _checks.tensor_leaves(fn, "params", params)
     check_params(fn, side, dtype)
+    trained = [
+        p if p is not None and p.is_floating_point()
+        and (not trainable_only or p.requires_grad) else None
+        for p in side.leaves
+    ]  # fmt: skip
+    kinds = _strategy.resolve(fn, strategy, side._replace(leaves=trained))
+    _strategy.check_applies(fn, side, kinds)
     with torch.no_grad():
         masters = [
-            fresh_copy(p, master_dtype_for(p, dtype))
-            if p is not None and p.is_floating_point()
-            else None
-            for p in side.leaves
-        ]
+            None if s is None or p is None
+            else fresh_copy(p, master_dtype_for(p, dtype)) if s.unit is None
+            else s.make(p, seed, i)
+            for i, (p, s) in enumerate(zip(side.leaves, kinds))
+        ]  # fmt: skip
     return _tree.unflatten(spec, masters)

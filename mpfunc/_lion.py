@@ -110,6 +110,7 @@ def lion(
     *,
     maximize: bool = False,
     impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
 ) -> Optimizer:
     """Lion (Chen et al. 2023): the sign of an interpolated momentum, decoupled weight decay.
 
@@ -141,4 +142,6 @@ def lion(
         maximize=bool(maximize),
     )
     chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference", "xla"))
-    return _plan.elementwise(_RULE, h, chosen, _checks.lr(fn, lr))
+    return _plan.elementwise(
+        _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+    )

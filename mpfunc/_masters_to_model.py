@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _plan, _tree
+from mpfunc import _checks, _gc, _plan, _strategy, _tree
 from mpfunc._checks import Like, Side
 
 __all__ = ["masters_to_model", "masters_to_model_"]
@@ -16,18 +16,14 @@ _PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
 
 
 def _check(fn: str, masters: Any, params: Any) -> tuple[Side, Side, Any]:
-    (m_leaves, m_spec), (p_leaves, p_spec) = _tree.flatten(masters), _tree.flatten(params)
-    m, p = Side("masters", masters, m_leaves), Side("params", params, p_leaves)
-    _check_sides(fn, m, p, [m_spec, p_spec])
-    return m, p, p_spec
-
-
-def _check_sides(fn: str, m: Side, p: Side, specs: list[Any]) -> None:
-    _checks.check_dense(fn, m)
-    _checks.check_dense(fn, p)
-    _checks.check_same_structure(fn, "masters", m.tree, specs[0], "params", p.tree, specs[1])
-    _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
+    """Masters (a unit stands for its param: it holds the rounded master already) and
+    params, checked; returns the masters as the tensors to round from."""
+    m, m_spec = _strategy.master_leaves(fn, "masters", masters)
+    p, p_spec = _checks.tensor_leaves(fn, "params", params)
+    _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
+    m = m._replace(leaves=[_strategy.face(x) for x in m.leaves])
     _checks.check_pairs(fn, m, p, _PARAMS)
+    return m, p, p_spec
 
 
 @_gc.without_gc
@@ -80,14 +76,12 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
       Nothing is written unless every check passes.
     """
     fn = "masters_to_model_"
-    memo = _checks.recall(fn, [("masters", masters), ("params", params)])
-    m, p = memo.sides
-    if not memo.hit:
-        _check_sides(fn, m, p, memo.specs)
-        written = p.where_present(m.leaves)
-        _checks.check_writable(fn, [written])
-        _checks.check_no_alias(fn, written=[written], read=[m])
-        memo.passed()
+    m, p, _ = _check(fn, masters, params)
+    # A unit's param that IS the param was written by the step: nothing to copy.
+    m = m._replace(leaves=[None if t is q else t for t, q in zip(m.leaves, p.leaves)])
+    written = p.where_present(m.leaves)
+    _checks.check_writable(fn, [written])
+    _checks.check_no_alias(fn, written=[written], read=[m])
     pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]
     _plan.copy_grouped_([q for q, _ in pairs], [t for _, t in pairs])
     return params

@@ -36,22 +36,47 @@ TensorList = Union[list[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class Step(NamedTuple):
-    """A step's checked inputs: masters and grads flattened once, and ``skip``."""
+    """A step's checked inputs, flattened once.
+
+    ``masters``: the master leaves (tensors for ``"fp32"``, units for the other
+    strategies); ``faces``: per leaf, the tensor that gives its shape and device (the
+    master, or the unit's param); ``kinds``: per leaf, its ``Strategy`` (``None`` where the
+    leaf has no master). ``grads``: fp32/fp64, or narrower floats upcast inside the step.
+    ``model``: the params that receive the rounded ``"fp32"`` masters (``params=``), or
+    ``None``. ``scale``: the 0-d fp32 loss scale the grads are divided by, or ``None``.
+    ``stats``: a ``Diagnostics`` tree's leaves to fill, or ``None``.
+    """
 
     masters: Side
     spec: PyTreeSpec
     grads: Side
     skip: torch.Tensor | None  # 0-d bool: when true, the step changes nothing
     state_name: str = "state"  # how errors name the state: "state['decay']" in a partition
+    faces: list[Any] | None = None
+    kinds: list[Any] | None = None
+    model: Side | None = None
+    scale: torch.Tensor | None = None
+    stats: list[Any] | None = None
 
     def only(self, keep: list[bool], state_name: str) -> Step:
         """The same step over the leaves where ``keep`` is true (others become ``None``):
         what one sub-optimizer of a ``partition`` sees, its state named ``state_name``."""
-        m, g = self.masters, self.grads
+
+        def cut(xs: list[Any]) -> list[Any]:
+            return [x if k else None for x, k in zip(xs, keep)]
+
+        def maybe(xs: list[Any] | None) -> list[Any] | None:
+            return None if xs is None else cut(xs)
+
+        m, g, p = self.masters, self.grads, self.model
         return self._replace(
             state_name=state_name,
-            masters=m._replace(leaves=[x if k else None for x, k in zip(m.leaves, keep)]),
-            grads=g._replace(leaves=[x if k else None for x, k in zip(g.leaves, keep)]),
+            masters=m._replace(leaves=cut(m.leaves)),
+            grads=g._replace(leaves=cut(g.leaves)),
+            faces=maybe(self.faces),
+            kinds=maybe(self.kinds),
+            model=None if p is None else p._replace(leaves=cut(p.leaves)),
+            stats=maybe(self.stats),
         )
 
 
@@ -63,12 +88,6 @@ class Group(NamedTuple):
     tensors, also written in place, and whose unused fields are ``None``. ``lr`` is a
     float or a 0-d tensor on the group's device. When ``skip`` (0-d bool, on the device)
     is true, the kernel must leave every tensor it writes bit-identical.
-
-    ``model`` (optional): the low-precision model params, one per master, that receive the
-    masters after the step rounded to their dtype (round to nearest even, as ``Tensor.to``);
-    written even when skipped. ``scale`` (optional): a 0-d fp32 divisor on the device; the
-    grads, which may then arrive in low precision, are widened and divided by it first.
-    Only a kernel the plan picks for such a group receives them (``"xla"``, ``"native"``).
     """
 
     params: list[torch.Tensor]
@@ -76,6 +95,10 @@ class Group(NamedTuple):
     state: Any
     lr: LR
     skip: torch.Tensor | None
+    # Only for kernels that take a step whole ("native", "xla"): the low-precision params
+    # to write (rounded to nearest even, as Tensor.to), and the 0-d fp32 loss scale the
+    # grads (then possibly bf16/fp16) are divided by. The other kernels get fp32 grads
+    # and write masters only; _plan does the rest around them.
     model: list[torch.Tensor] | None = None
     scale: torch.Tensor | None = None
 
@@ -85,10 +108,10 @@ Kernel = Callable[[Group, Any], None]
 
 
 class Work(NamedTuple):
-    """One kernel call of a step."""
+    """One kernel call of a step (``group`` is a ``Group``, or what ``kernel`` takes)."""
 
-    kernel: Kernel
-    group: Group
+    kernel: Callable[[Any, Any], None]
+    group: Any
     hyper: Any
 
 
@@ -96,8 +119,9 @@ class Rule(NamedTuple):
     """An elementwise optimizer: everything ``elementwise`` needs to check and step it.
 
     ``fields(hyper)`` maps each state field the hyperparameters use to its kind:
-    ``"step"`` (a 0-d float32 count per leaf) or ``"moment"`` (like the master); the
-    other fields of ``state_type`` must be ``None``. ``kernels`` maps an implementation
+    ``"step"`` (a 0-d float32 count per leaf), ``"moment"`` (like the master, any sign) or
+    ``"square"`` (like the master, never negative: 8-bit states use an unsigned code);
+    the other fields of ``state_type`` must be ``None``. ``kernels`` maps an implementation
     name (``"reference"``, ``"foreach"``, ``"fused"``, ``"xla"``) to its kernel.
     """
 

@@ -4,16 +4,18 @@ torch's multi-tensor kernels take lists whose tensors share one device and one
 dtype. A step's leaves are grouped by (device, dtype, implementation), and each
 group becomes one or more kernel calls (``Work``):
 
-* ``auto`` picks ``xla`` on XLA devices where the rule has an XLA kernel and the leaf's
-  master and state are float32 tensors (``xla_applies``): the whole group's update is
-  then one cached XLA computation, one traced node instead of about 16 per leaf. It
-  picks ``fused`` where the rule has a fused kernel, torch has one for the device and
-  dtype, and the leaf's tensors (master, grad, state) are dense with equal strides;
-  otherwise ``foreach`` (on XLA: float64 masters, state in another dtype, master
-  strategies other than fp32, and lazy devices other than torch_xla's). torch's fused
-  kernels pair elements by memory position, so a channels_last master with a
-  contiguous grad would mix elements silently: such leaves take the foreach path,
-  which pairs by index.
+* ``auto`` picks ``xla`` on XLA devices where the rule has an XLA kernel and the leaf
+  has a plain float32 master with float32 state (``xla_applies``), and no
+  diagnostics are asked for: the whole group's step (grads widened and unscaled,
+  rounded params written) is then one cached XLA computation, one traced node instead
+  of about 16 per leaf. Elsewhere on XLA (float64 masters, other master strategies,
+  bf16 or 8-bit state, ``stats=``, lazy devices other than torch_xla's) the foreach
+  path remains.
+* ``auto`` picks ``fused`` where the rule has a fused kernel, torch has one for
+  the device and dtype, and the leaf's tensors (master, grad, state) are dense
+  with equal strides; otherwise ``foreach``. torch's fused kernels pair elements
+  by memory position, so a channels_last master with a contiguous grad would mix
+  elements silently: such leaves take the foreach path, which pairs by index.
   An explicit ``impl="fused"`` falls back the same way, leaf by leaf. An explicit
   ``impl="xla"`` raises, naming the leaf, where ``xla_applies`` does not hold.
 * ``foreach`` groups on eager devices are split into bounded runs, so the
@@ -28,13 +30,21 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _tree
-from mpfunc._checks import LR, Like, LRArg
-from mpfunc._optimizer import Group, Optimizer, Rule, Step, Work
+from mpfunc import (
+    _checks,
+    _diagnostics,
+    _dtensor,
+    _state_format,
+    _strategy,
+    _strategy_fp32,
+    _tree,
+)
+from mpfunc._checks import LR, Like, LRArg, Side
+from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
 __all__ = [
     "FOREACH_CHUNK_NUMEL",
@@ -84,15 +94,15 @@ def fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
 
 
-def xla_applies(master: object, state: Sequence[torch.Tensor | None]) -> bool:
-    """Whether a leaf can take a rule's ``"xla"`` kernel: a float32 master tensor on a
-    torch_xla device, with float32 state (moments; step counts are always float32)."""
+def xla_applies(master: object, state: Sequence[object]) -> bool:
+    """Whether a leaf can take a rule's ``"xla"`` kernel: a plain float32 master tensor on
+    a torch_xla device, with float32 state tensors (step counts are always float32)."""
     f32 = torch.float32
     return (
         isinstance(master, torch.Tensor)
         and bool(master.is_xla)  # type: ignore[attr-defined]
         and master.dtype == f32
-        and all(t is None or t.dtype == f32 for t in state)
+        and all(t is None or (isinstance(t, torch.Tensor) and t.dtype == f32) for t in state)
     )
 
 
@@ -131,7 +141,10 @@ def group_indices(
 
 
 def chunks(
-    idx: list[int], tensors: Sequence[torch.Tensor | None], device: torch.device
+    idx: list[int],
+    tensors: Sequence[torch.Tensor | None],
+    device: torch.device,
+    limit: int = FOREACH_CHUNK_NUMEL,
 ) -> Iterator[list[int]]:
     """Splits ``idx`` into runs of at most ``FOREACH_CHUNK_NUMEL`` elements (one run on lazy
     devices). A single tensor larger than the limit forms a run of its own."""
@@ -143,7 +156,7 @@ def chunks(
     for i in idx:
         t = tensors[i]
         n = t.numel() if t is not None else 0
-        if run and total + n > FOREACH_CHUNK_NUMEL:
+        if run and total + n > limit:
             yield run
             run, total = [], 0
         run.append(i)
@@ -178,6 +191,7 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     by index whatever the two layouts are. On XLA a same-dtype pair copies from a view,
     so that ``dst`` never shares ``src``'s device buffer (see ``fresh_copy``).
     """
+    dst, src = _dtensor.locals_(dst), _dtensor.locals_(src)  # DTensors: shard by shard
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     with torch.no_grad():
         for (device, to, of), idx in group_indices(keys).items():
@@ -204,10 +218,35 @@ def _lr_on(lr: LRArg, device: torch.device, count: torch.Tensor, cache: dict[Any
         # A copy, so that a schedule returning the count itself is not moved by the
         # step's increment.
         value = lr(count.detach().clone())
+        if is_lazy(device) and not (isinstance(value, torch.Tensor) and value.device == device):
+            _warn_host_schedule(lr, value)
         if isinstance(value, torch.Tensor):
             return value.to(device=device, dtype=torch.float32)
         return float(value)
     return lr
+
+
+_WARNED: set[int] = set()  # ids of the schedules warned about (a reused id only stays quiet)
+
+
+def _warn_host_schedule(schedule: Any, value: object) -> None:
+    """Warns once per schedule that returns a host value for an XLA step count: it read the
+    count back (a host sync each step), or ignores it (each new value a graph constant)."""
+    if id(schedule) in _WARNED:
+        return
+    _WARNED.add(id(schedule))
+    import warnings
+
+    warnings.warn(
+        f"lr schedule {getattr(schedule, '__qualname__', type(schedule).__name__)} returned "
+        f"{_checks.describe(value)} for a step count on an XLA device: it reads the count "
+        "back to the host every step (math.*, min/max, float() or a branch on a tensor wait "
+        "for the device), or ignores it (then each new value compiles a new graph). Compute "
+        "the lr from the count with torch ops (torch.clamp, torch.cos, torch.where) so it "
+        "stays on the device, or pass a 0-d lr tensor and fill_() it.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
@@ -220,54 +259,199 @@ def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, A
 
 
 _STEP = Like("the master's", dtypes=(torch.float32,), what="float32 step count", scalar=True)
-_MOMENT = Like("the master's", hint="Was this state made by opt.init() for these masters?")
+_HINT = "Was this state made by opt.init() for these masters?"
+_MOMENT = Like("the master's", hint=_HINT)
+
+# A mixed step (a master strategy, low-precision grads, params written, a state dtype)
+# loads at most this many elements of fp32 temporaries per kernel call on eager
+# devices: a few MiB that stay in cache between loading, stepping and storing. A leaf
+# larger than this is a chunk of its own.
+MIXED_CHUNK_NUMEL = 1 << 18
+
+
+def _compute_dtype(face: torch.Tensor, fp32_kind: bool) -> torch.dtype:
+    """The dtype a leaf's step computes in: its master's for "fp32" masters, else fp32."""
+    if fp32_kind and face.dtype in (torch.float32, torch.float64):
+        return face.dtype
+    return torch.float32
 
 
 def _state_fields(
-    fn: str, rule: Rule, hyper: Any, step: Step, state: Any
-) -> dict[str, list[torch.Tensor | None]]:
-    """Each field the hyperparameters use, flattened and checked against the masters: its
-    structure, each leaf against its master, and that nothing the step writes overlaps
-    itself or another leaf. Remembered (``_checks.recall``) for the next step."""
+    fn: str, rule: Rule, hyper: Any, step: Step, state: Any, state_dtype: torch.dtype | None
+) -> dict[str, list[Any]]:
+    """Each field the hyperparameters use, flattened and checked against the masters."""
     if not isinstance(state, rule.state_type):
         raise TypeError(
             f"{fn}: {step.state_name}: expected the {rule.state_type.__name__} made by "
             f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
         )
     kinds = rule.fields(hyper)
-    used: list[tuple[str, Any]] = []
+    faces = step.faces if step.faces is not None else step.masters.leaves
+    fp32 = step.kinds if step.kinds is not None else [None] * len(faces)
+    ref = Side(step.masters.name, step.masters.tree, faces, units=True)
+    out: dict[str, list[Any]] = {}
     for name in rule.state_type._fields:  # type: ignore[attr-defined]
         value = getattr(state, name)
-        if kinds.get(name) is not None:
-            used.append((f"{step.state_name}.{name}", value))
-        elif value is not None:
-            raise ValueError(
-                f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
-                f"{name}), got {_checks.describe(value)}"
+        kind = kinds.get(name)
+        if kind is None:
+            if value is not None:
+                raise ValueError(
+                    f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
+                    f"{name}), got {_checks.describe(value)}"
+                )
+            continue
+        where = f"{step.state_name}.{name}"
+        leaves, spec = _tree.flatten(value, units=True)
+        side = Side(where, value, leaves, units=True)
+        _checks.check_same_structure(
+            fn, "masters", step.masters.tree, step.spec, where, value, spec, _HINT
+        )
+        if kind == "step":
+            _checks.check_tensor_or_none(fn, where, value, leaves)
+            _checks.check_pairs(fn, ref, side, _STEP)
+        elif state_dtype != torch.uint8 and not any(step.kinds or ()):
+            # Every master a tensor, moments like it: the one pair check.
+            _checks.check_tensor_or_none(fn, where, value, leaves)
+            _checks.check_pairs(
+                fn,
+                ref,
+                side,
+                _MOMENT
+                if state_dtype is None
+                else _MOMENT._replace(dtypes=(state_dtype,), what=str(state_dtype)),
             )
-    tag = ("plan", fn, rule.name, tuple(kinds.items()), step.spec)
-    memo = _checks.recall(tag, used, also=[step.masters, step.grads])
-    if not memo.hit:
-        for (where, value), side, spec in zip(used, memo.sides, memo.specs):
-            _checks.check_dense(fn, side)
-            _checks.check_same_structure(
-                fn, "masters", step.masters.tree, step.spec, where, value, spec,
-                "Was this state made by opt.init() for these masters?",
-            )  # fmt: skip
-            kind = kinds[where.rsplit(".", 1)[1]]
-            _checks.check_pairs(fn, step.masters, side, _STEP if kind == "step" else _MOMENT)
-        _checks.check_writable(fn, memo.sides)
-        _checks.check_no_alias(fn, written=[step.masters, *memo.sides], read=[step.grads])
-        memo.passed()
-    return {where.rsplit(".", 1)[1]: side.leaves for (where, _), side in zip(used, memo.sides)}
+        else:
+            for i, (f, x) in enumerate(zip(faces, leaves)):
+                if f is None:
+                    if x is not None:
+                        _checks.fail(ValueError, fn, side.path(i), "None (this leaf has no master)",
+                                     _checks.describe(x))  # fmt: skip
+                    continue
+                if x is None:
+                    _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
+                k = fp32[i]
+                compute = _compute_dtype(f, k is None or k.unit is None)
+                want = _state_format.stored_dtype(compute, state_dtype)
+                why = _state_format.problem(kind, x, f, want)
+                if why is not None:
+                    _checks.fail(why[0], fn, side.path(i), why[1], why[2], _HINT)
+        out[name] = leaves
+    return out
+
+
+def tensor_sides(side: Side) -> list[Side]:
+    """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
+    one per unit field, each keeping the unit's path."""
+    width = max((len(x) for x in side.leaves if isinstance(x, tuple)), default=0)
+    if width == 0:
+        return [side]
+    out = []
+    for j in range(width):
+        leaves = [
+            (x[j] if j < len(x) else None) if isinstance(x, tuple) else (x if j == 0 else None)
+            for x in side.leaves
+        ]
+        out.append(side._replace(leaves=leaves))
+    return out
+
+
+class Mixed(NamedTuple):
+    """One chunk of a mixed step: what ``_run_mixed`` loads, steps and stores."""
+
+    kernel: Kernel
+    strategy: Any
+    masters: list[Any]
+    grads: list[torch.Tensor]
+    fields: dict[str, list[Any]]
+    kinds: Mapping[str, str]
+    state_type: Any
+    model: list[torch.Tensor] | None
+    lr: LR
+    skip: torch.Tensor | None
+    scale: torch.Tensor | None
+    compute: torch.dtype
+    salts: list[int]
+    stats: list[Any] | None
+
+
+def _upcast(g: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` in ``dtype``, laid out like ``like`` (the master's values), so that a fused
+    kernel pairs it by position; the copy pairs by index whatever ``g``'s layout."""
+    out = torch.empty_like(like, dtype=dtype, memory_format=torch.preserve_format)
+    return out.copy_(g)
+
+
+def _run_mixed(mx: Mixed, hyper: Any) -> None:
+    """Load fp32 values (masters, grads upcast and unscaled, moments), run the kernel on
+    them, store them back (strategy, state format, rounded params), in one chunk."""
+    values = mx.strategy.load(mx.masters)
+    grads = [
+        g if g.dtype == mx.compute else _upcast(g, v, mx.compute) for g, v in zip(mx.grads, values)
+    ]
+    if mx.scale is not None:
+        # Out of place: the caller's grads are only read. Same bits as grads_to_fp32_'s
+        # in-place division of its fp32 copies.
+        grads = list(torch._foreach_div(grads, mx.scale))
+    state = {}
+    for name, kind in mx.kinds.items():
+        xs = mx.fields[name]
+        state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute)
+    old = [v.clone() for v in values] if mx.stats is not None else None
+    before = (
+        [u.param.clone() for u in mx.masters] if mx.stats is not None and mx.strategy.unit else None
+    )
+    group_state = mx.state_type(**{n: state.get(n) for n in mx.state_type._fields})
+    mx.kernel(Group(values, grads, group_state, mx.lr, mx.skip), hyper)
+    for name, kind in mx.kinds.items():
+        if kind != "step":
+            _state_format.store(mx.fields[name], state[name], kind, mx.skip,
+                                mx.fields.get("step"), mx.salts)  # fmt: skip
+    mx.strategy.store(mx.masters, values, mx.skip)
+    params_before = None
+    if mx.model is not None:
+        if mx.stats is not None:
+            params_before = [p.clone() for p in mx.model]
+        rounded = [v.to(p.dtype) for p, v in zip(mx.model, values)]
+        if mx.skip is not None:
+            rounded = [torch.where(mx.skip, p, r) for p, r in zip(mx.model, rounded)]
+        torch._foreach_copy_(mx.model, rounded)
+    if mx.stats is not None and old is not None:
+        if before is not None:
+            now = [u.param for u in mx.masters]
+        elif mx.model is not None and params_before is not None:
+            before, now = params_before, mx.model
+        else:
+            before = now = None
+        _diagnostics.record(mx.stats, old, values, before, now)
 
 
 def _plan_elementwise(
-    fn: str, rule: Rule, hyper: Any, impl: str, lr: LRArg, step: Step, state: Any
+    fn: str,
+    rule: Rule,
+    hyper: Any,
+    impl: str,
+    lr: LRArg,
+    state_dtype: torch.dtype | None,
+    step: Step,
+    state: Any,
 ) -> list[Work]:
-    fields = _state_fields(fn, rule, hyper, step, state)
+    fields = _state_fields(fn, rule, hyper, step, state, state_dtype)
+    kinds_of = rule.fields(hyper)
     moments = [f for name, f in fields.items() if name != "step"]
+    sides = [
+        t
+        for n, f in fields.items()
+        for t in tensor_sides(Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True))
+    ]
+    _checks.check_writable(fn, sides)
+    written = tensor_sides(step.masters)
+    if step.model is not None:
+        written.append(step.model.where_present(step.masters.leaves))
+    _checks.check_no_alias(fn, written=[*written, *sides], read=[step.grads])
     masters, grads = step.masters.leaves, step.grads.leaves
+    faces = step.faces if step.faces is not None else masters
+    strategies = step.kinds if step.kinds is not None else [None] * len(masters)
+    model = step.model.leaves if step.model is not None else None
     has_fused = "fused" in rule.kernels
     if impl == "fused" and not has_fused:
         raise ValueError(
@@ -283,38 +467,70 @@ def _plan_elementwise(
         if m is None or g is None:
             keys.append(None)
             continue
-        chosen = "foreach" if impl == "auto" else impl
-        if impl in ("auto", "xla") and has_xla and xla_applies(m, [f[i] for f in moments]):
-            chosen = "xla"
-        elif impl == "xla":
+        f = faces[i]
+        s = strategies[i]
+        plain = s is None or s.unit is None
+        compute = _compute_dtype(f, plain)
+        stored = [x for x in (mf[i] for mf in moments)]
+        if (
+            impl in ("auto", "xla")
+            and has_xla
+            and s is None
+            and step.stats is None
+            and xla_applies(f, stored)
+        ):
+            # The whole step in one node: grads of any float dtype, scale, model.
+            keys.append((f.device, compute, "xla", model is not None and model[i] is not None))
+            continue
+        if impl == "xla":
             raise ValueError(
                 f"{fn}: at {step.masters.path(i)!r}: impl='xla': expected a float32 master "
-                f"(and float32 state) on an XLA device, got {_checks.describe(m)}. Use "
-                "impl='auto' or 'foreach'."
+                f"(fp32 strategy, float32 state, no stats) on an XLA device, got "
+                f"{_checks.describe(f)}. Use impl='auto' or 'foreach'."
             )
-        elif (
-            impl in ("auto", "fused")
-            and has_fused
-            and fused_supported(m.device, m.dtype)
-            and _same_layout([m, g, *(f[i] for f in moments)])
-        ):
-            chosen = "fused"
-        elif impl == "fused" and not fused_supported(m.device, m.dtype):
+        direct = (
+            plain
+            and g.dtype == f.dtype
+            and (model is None or model[i] is None)
+            and step.scale is None
+            and step.stats is None
+            and all(isinstance(x, torch.Tensor) and x.dtype == compute for x in stored)
+        )
+        if impl == "fused" and not fused_supported(f.device, compute):
             raise ValueError(
                 f"{fn}: at {step.masters.path(i)!r}: impl='fused': expected a device and dtype "
                 f"with a fused torch kernel ({', '.join(_FUSED_DEVICES)}; "
-                f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {m.dtype} on {m.device}. "
+                f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {compute} on {f.device}. "
                 "Use impl='auto' or 'foreach'."
             )
+        # A grad narrower than the step is upcast into a temporary laid out like the master
+        # (_run_mixed), so only a full-precision grad's own layout counts.
+        tensors = [t for t in (f, g if g.dtype == compute else None, *stored) if t is not None]
+        chosen = "foreach" if impl == "auto" else impl
+        if (
+            impl in ("auto", "fused")
+            and has_fused
+            and fused_supported(f.device, compute)
+            and all(isinstance(x, torch.Tensor) for x in stored)
+            and _same_layout(tensors)
+        ):
+            chosen = "fused"
         elif impl == "fused":
             chosen = "foreach"  # layouts differ: pair by index, never by memory position
-        keys.append((m.device, m.dtype, chosen))
+        if direct:
+            keys.append((f.device, compute, chosen))
+        else:
+            name = "fp32" if s is None else s.name
+            mdtype = None if model is None or model[i] is None else model[i].dtype
+            keys.append((f.device, compute, chosen, name, g.dtype, mdtype))
     steps = fields.get("step")
     cache: dict[Any, Any] = {}
     work: list[Work] = []
     state_type: Any = rule.state_type
-    for (device, _, kernel_name), idx in group_indices(keys).items():
+    for key, idx in group_indices(keys).items():
+        device, dtype, kernel_name = key[0], key[1], key[2]
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
+        assert isinstance(dtype, torch.dtype)
         if steps is not None:
             count = steps[idx[0]]
             assert count is not None
@@ -322,23 +538,47 @@ def _plan_elementwise(
         else:
             lr_d = _lr_on(lr, device, torch.zeros(()), cache)
         skip_d = _skip_on(step.skip, device, cache)
-        runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))
-        for run in runs:
-            sliced = {name: pick(f, run) for name, f in fields.items()}
+        if kernel_name == "xla":  # the whole step, one group per device, never chunked
+            sliced = {name: pick(f, idx) for name, f in fields.items()}
             group_state = state_type(**{n: sliced.get(n) for n in state_type._fields})
-            group = Group(pick(masters, run), pick(grads, run), group_state, lr_d, skip_d)
-            work.append(Work(rule.kernels[kernel_name], group, hyper))
+            group = Group(
+                pick(masters, idx), pick(grads, idx), group_state, lr_d, skip_d,
+                model=pick(model, idx) if key[3] and model is not None else None,
+                scale=None if step.scale is None else _scale_on(step.scale, device, cache),
+            )  # fmt: skip
+            work.append(Work(rule.kernels["xla"], group, hyper))
+            continue
+        if len(key) == 3:  # direct: the masters are the kernel's own tensors
+            runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))
+            for run in runs:
+                sliced = {name: pick(f, run) for name, f in fields.items()}
+                group_state = state_type(**{n: sliced.get(n) for n in state_type._fields})
+                group = Group(pick(masters, run), pick(grads, run), group_state, lr_d, skip_d)
+                work.append(Work(rule.kernels[kernel_name], group, hyper))
+            continue
+        s = strategies[idx[0]]
+        strategy = _strategy_fp32.STRATEGY if s is None else s
+        scale_d = None if step.scale is None else _scale_on(step.scale, device, cache)
+        for run in chunks(idx, faces, device, MIXED_CHUNK_NUMEL):
+            mx = Mixed(
+                kernel=rule.kernels[kernel_name], strategy=strategy,
+                masters=pick(masters, run), grads=pick(grads, run),
+                fields={name: pick(f, run) for name, f in fields.items()},
+                kinds={n: k for n, k in kinds_of.items() if n in fields},
+                state_type=state_type,
+                model=None if model is None or model[run[0]] is None else pick(model, run),
+                lr=lr_d, skip=skip_d, scale=scale_d, compute=dtype, salts=list(run),
+                stats=None if step.stats is None else pick(step.stats, run),
+            )  # fmt: skip
+            work.append(Work(_run_mixed, mx, hyper))
     return work
 
 
-def _like_masters(masters: Any, make: Any) -> Any:
-    leaves, spec = _tree.flatten(masters)
-    return _tree.unflatten(spec, [None if m is None else make(m) for m in leaves])
-
-
-def _zeros(m: torch.Tensor) -> torch.Tensor:
-    # The master's layout (channels_last, transposed): fused kernels pair by position.
-    return torch.zeros_like(m, memory_format=torch.preserve_format)
+def _scale_on(scale: torch.Tensor, device: torch.device, cache: dict[Any, Any]) -> Any:
+    key = ("scale", device)
+    if key not in cache:
+        cache[key] = scale.to(device=device, dtype=torch.float32, non_blocking=True)
+    return cache[key]
 
 
 def _count(m: torch.Tensor) -> torch.Tensor:
@@ -346,22 +586,42 @@ def _count(m: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=m.device)
 
 
-def elementwise(rule: Rule, hyper: Any, impl: str, lr: LRArg) -> Optimizer:
+def _zeros(
+    kind: str, compute: torch.dtype, face: torch.Tensor, state_dtype: torch.dtype | None
+) -> Any:
+    # The master's layout (channels_last, transposed): fused kernels pair by position.
+    return _state_format.zeros(kind, compute, face, state_dtype)
+
+
+def elementwise(
+    rule: Rule, hyper: Any, impl: str, lr: LRArg, state_dtype: torch.dtype | None = None
+) -> Optimizer:
     """The ``Optimizer`` for an elementwise ``rule`` with these hyperparameters."""
     kinds = rule.fields(hyper)
 
     def init(masters: Any) -> Any:
-        _checks.tensor_leaves(f"{rule.name}.init", "masters", masters)
+        side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
+        faces = [_strategy.face(m) for m in side.leaves]
+        plain = [_strategy.by_unit(m) is None for m in side.leaves]
+        if state_dtype == torch.uint8:
+            _state_format.check_quantizable(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)
-            state[name] = None if kind is None else _like_masters(
-                masters, _count if kind == "step" else _zeros
-            )  # fmt: skip
+            if kind is None:
+                state[name] = None
+                continue
+            leaves = [
+                None if f is None
+                else _count(f) if kind == "step"
+                else _zeros(kind, _compute_dtype(f, p), f, state_dtype)
+                for f, p in zip(faces, plain)
+            ]  # fmt: skip
+            state[name] = _tree.unflatten(spec, leaves)
         return rule.state_type(**state)
 
     def plan(step: Step, state: Any, fn: str) -> list[Work]:
-        return _plan_elementwise(fn, rule, hyper, impl, lr, step, state)
+        return _plan_elementwise(fn, rule, hyper, impl, lr, state_dtype, step, state)
 
     return Optimizer(init=init, plan=plan, functional=True, name=rule.name)
 

@@ -137,6 +137,7 @@ def sgd(
     *,
     maximize: bool = False,
     impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
 ) -> Optimizer:
     """SGD with optional momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
 
@@ -171,4 +172,6 @@ def sgd(
             f"{fn}: nesterov: expected momentum > 0 and dampening == 0, got "
             f"momentum={h.momentum}, dampening={h.dampening}"
         )
-    return _plan.elementwise(_RULE, h, chosen, _checks.lr(fn, lr))
+    return _plan.elementwise(
+        _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+    )

@@ -69,6 +69,19 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
                 f"tensors ({len(pairs)} of them), got one over {len(owned)} other tensors. "
                 "torch.optim keeps its state by tensor identity: call opt.init(masters) again."
             )
+        plain = all(k is None for k in step.kinds or ())
+        if not plain or step.model is not None or step.scale is not None or step.stats is not None:
+            raise TypeError(
+                f"{where}: torch_optimizer({cls.__name__}, ...) steps 'fp32' masters with fp32 "
+                "grads only: use grads_to_fp32_ and masters_to_model_ around it, or an mpfunc "
+                "optimizer for master strategies, params=, scale= and stats="
+            )
+        for i, (m, g) in enumerate(zip(step.masters.leaves, step.grads.leaves)):
+            if m is not None and g is not None and g.dtype != m.dtype:
+                _checks.fail(
+                    TypeError, where, step.grads.path(i), f"{m.dtype} (the master's dtype)",
+                    _checks.describe(g), "Cast grads with grads_to_fp32 first",
+                )  # fmt: skip
         if step.skip is not None:
             raise TypeError(
                 f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "

@@ -33,6 +33,7 @@ __all__ = [
     "leaf_paths",
     "map_tensors",
     "register_dataclass",
+    "register_unit",
     "unflatten",
 ]
 
@@ -52,8 +53,32 @@ def map_tensors(fn: Any, tree: Any) -> Any:
     )
 
 
-def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
-    """Flattens ``tree`` into its leaves (``None`` included) and its spec."""
+# NamedTuples that stand for ONE leaf of a master or state tree although they hold several
+# tensors: a master kept as its param plus a remainder, a quantized moment (codes and
+# scales). Trees of them are ordinary pytrees (their tensors are leaves: checkpoints and
+# shardings see every tensor); mpfunc's transforms flatten with ``units=True`` so that each
+# pairs with one param and one grad.
+_UNITS: tuple[type, ...] = ()
+
+
+def register_unit(cls: type, /) -> type:
+    """Marks the NamedTuple class ``cls`` as one leaf for ``flatten(..., units=True)``."""
+    global _UNITS
+    _UNITS = (*_UNITS, cls)
+    return cls
+
+
+def _is_unit(x: Any) -> bool:
+    return isinstance(x, _UNITS)
+
+
+def flatten(tree: Any, *, units: bool = False) -> tuple[list[Any], PyTreeSpec]:
+    """Flattens ``tree`` into its leaves (``None`` included) and its spec. With ``units``,
+    each registered unit (``register_unit``) is one leaf instead of its tensors."""
+    if units and _UNITS:
+        return optree.tree_flatten(
+            tree, is_leaf=_is_unit, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
+        )
     return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
@@ -74,8 +99,11 @@ def _entry_name(entry: Any) -> Any:
     return entry.entry
 
 
-def _paths(tree: Any) -> list[tuple[Any, ...]]:
-    accessors = optree.tree_accessors(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
+def _paths(tree: Any, units: bool = False) -> list[tuple[Any, ...]]:
+    is_leaf = _is_unit if units and _UNITS else None
+    accessors = optree.tree_accessors(
+        tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
+    )
     return [tuple(_entry_name(e) for e in acc) for acc in accessors]
 
 
@@ -84,10 +112,10 @@ def format_path(path: Sequence[Any]) -> str:
     return ".".join(_format_key(k) for k in path) if path else "<root>"
 
 
-def leaf_paths(tree: Any, prefix: str = "") -> list[str]:
+def leaf_paths(tree: Any, prefix: str = "", *, units: bool = False) -> list[str]:
     """The dotted path of every leaf of ``tree``, in flatten order, in one walk."""
     out = []
-    for p in _paths(tree):
+    for p in _paths(tree, units):
         path = format_path(p)
         if prefix:
             path = prefix if path == "<root>" else f"{prefix}.{path}"
@@ -95,10 +123,10 @@ def leaf_paths(tree: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def leaf_path(tree: Any, index: int, prefix: str = "") -> str:
+def leaf_path(tree: Any, index: int, prefix: str = "", *, units: bool = False) -> str:
     """The dotted path of the ``index``-th leaf of ``tree``, for error messages (it walks the
     whole tree: call it once, never per leaf)."""
-    return leaf_paths(tree, prefix)[index]
+    return leaf_paths(tree, prefix, units=units)[index]
 
 
 def register_dataclass(cls: type, /, *, children: Sequence[str]) -> None:

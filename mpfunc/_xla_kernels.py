@@ -33,7 +33,8 @@ Also folded into the node, to cut host time further:
 * low-precision grads (bf16/fp16) are widened inside, exactly as ``grads_to_fp32_``
   widens them, so the fp32 grad buffers are not needed on this path;
 * ``model_params``: the masters after the step, rounded to each model param's dtype
-  (round to nearest even), as ``masters_to_model_`` writes them.
+  (round to nearest even), as ``masters_to_model_`` writes them (a skipped step keeps
+  their bits, as ``apply_update_(params=)`` does).
 
 What this path does not take (callers keep the foreach path for it): masters or
 moments in a dtype other than float32 (fp64 masters, low-precision state
@@ -256,7 +257,9 @@ def _gather(
             ] and all(d in _FLOATS for d in set(low_dtypes))
     if not ok:
         _explain(fn, params, grads, moments, steps, model_params)
-    state = [t for seq in (params, *(seq for _, seq in moments), steps) for t in seq]
+    model = [model_params] if (low_dtypes and model_params is not None) else []
+    fields = (params, *(seq for _, seq in moments), steps, *model)
+    state = [t for seq in fields for t in seq]
     order = _by_tensor_id(state)  # type: ignore[arg-type]
     inputs = [state[k] for k in order] + list(grads)
     shapes = tuple(s for s, _, _ in psig)
@@ -346,16 +349,29 @@ class _B:
             self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="f32")
         return self._consts[k]
 
-    def state_params(self, group: _Leaves, n_fields: int) -> list[list[Any]]:
-        """The state parameters in ``group.order``, returned as ``[field][leaf]``; the last
-        field is the 0-d step counts, the others are shaped like the masters."""
+    def state_params(self, group: _Leaves, n_fields: int) -> tuple[list[list[Any]], list[Any]]:
+        """The state parameters in ``group.order``: ``n_fields`` fp32 fields as
+        ``[field][leaf]`` (the last is the 0-d step counts, the others are shaped like the
+        masters), and the model params' (their old values, kept where the step is skipped),
+        ``None`` per leaf without them."""
         n = len(group.shapes)
-        ops: list[list[Any]] = [[None] * n for _ in range(n_fields)]
+        ops: list[list[Any]] = [[None] * n for _ in range(n_fields + 1)]
         for k in group.order:
             field, leaf = divmod(k, n)
+            if field == n_fields:
+                assert group.low_dtypes is not None
+                ops[field][leaf] = self.param(group.shapes[leaf], group.low_dtypes[leaf])
+                continue
             shape = () if field == n_fields - 1 else group.shapes[leaf]
             ops[field][leaf] = self.param(shape, torch.float32)
-        return ops
+        return ops[:n_fields], ops[n_fields]
+
+    def round_out(self, skip: Any, old: Any, p: Any, low: Optional[torch.dtype]) -> list[Any]:
+        """The model param's output: the master rounded to nearest even (as ``Tensor.to``),
+        or its old bits where the step is skipped; nothing without a model param."""
+        if low is None:
+            return []
+        return [self.keep(skip, old, self.to(p, torch.float32, low))]
 
     def grad_params(self, group: _Leaves) -> list[Any]:
         """The grads' parameters (after the state), widened to fp32 inside."""
@@ -423,7 +439,7 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """
     b = _B("mpfunc_adam")
     f32 = torch.float32
-    state = b.state_params(group, 5 if h.amsgrad else 4)
+    state, L = b.state_params(group, 5 if h.amsgrad else 4)
     P, M, V, S = state[0], state[1], state[2], state[-1]
     VM = state[3] if h.amsgrad else [None] * len(P)
     G = b.grad_params(group)
@@ -443,7 +459,7 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     beta2, eps, wd = b.f32(h.beta2), b.f32(h.eps), b.f32(h.weight_decay)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, m, v, vm, s), low in zip(ins, lows):
+    for (p, g, m, v, vm, s), low, old_low in zip(ins, lows, L):
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
@@ -462,9 +478,7 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         denom = ((vd.sqrt() / c2) + eps) / c1
         p2 = b.keep(skip, p, p1 + m1 / denom)
         new = [p2, m1, v1] + ([vm1] if vm1 is not None else []) + [s1]
-        if low is not None:
-            new.append(b.to(p2, f32, low))
-        outs.extend(new)
+        outs.extend(new + b.round_out(skip, old_low, p2, low))
     return b.xb.Op.tuple(outs).build("mpfunc_adam")
 
 
@@ -484,7 +498,7 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """
     b = _B("mpfunc_sgd")
     f32 = torch.float32
-    state = b.state_params(group, 3 if h.momentum != 0 else 2)
+    state, L = b.state_params(group, 3 if h.momentum != 0 else 2)
     B = state[1] if h.momentum != 0 else [None] * len(state[0])
     G = b.grad_params(group)
     _, skip_kind, scaled = shared
@@ -496,7 +510,7 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     mom, wd, neg_damp = b.f32(h.momentum), b.f32(h.weight_decay), b.f32(-h.dampening)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, buf, s), low in zip(ins, lows):
+    for (p, g, buf, s), low, old_low in zip(ins, lows, L):
         if h.maximize:
             g = -g
         if h.weight_decay != 0:
@@ -510,9 +524,7 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         p1 = b.keep(skip, p, p - g * lr)
         s1 = b.keep(skip, s, s + one)
         new = [p1] + ([buf1] if buf1 is not None else []) + [s1]
-        if low is not None:
-            new.append(b.to(p1, f32, low))
-        outs.extend(new)
+        outs.extend(new + b.round_out(skip, old_low, p1, low))
     return b.xb.Op.tuple(outs).build("mpfunc_sgd")
 
 
@@ -531,7 +543,7 @@ def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """
     b = _B("mpfunc_lion")
     f32 = torch.float32
-    state = b.state_params(group, 3)
+    state, L = b.state_params(group, 3)
     P, M, S = state
     G = b.grad_params(group)
     lr_kind, skip_kind, scaled = shared
@@ -546,7 +558,7 @@ def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, m, s), low in zip(ins, lows):
+    for (p, g, m, s), low, old_low in zip(ins, lows, L):
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
@@ -556,9 +568,7 @@ def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         p2 = b.keep(skip, p, p1 - direction * lr)
         m1 = b.keep(skip, m, m + w2 * (g - m))
         new = [p2, m1, s1]
-        if low is not None:
-            new.append(b.to(p2, f32, low))
-        outs.extend(new)
+        outs.extend(new + b.round_out(skip, old_low, p2, low))
     return b.xb.Op.tuple(outs).build("mpfunc_lion")
 
 
@@ -605,7 +615,7 @@ def adam_xla_(
         the widened grads are divided by it first, as ``grads_to_fp32_(scale=)`` does.
       model_params: ``None``, or one floating tensor per leaf that receives the master
         after the step rounded to its dtype (round to nearest even), as
-        ``masters_to_model_`` writes it.
+        ``masters_to_model_`` writes it; where the step is skipped it keeps its bits.
 
     Raises:
       TypeError, ValueError: a list's length, a tensor's dtype, shape or device, or ``lr``,

@@ -1,9 +1,9 @@
 """The memo of passed checks (``_checks.recall``): reused only on identical inputs.
 
-A training loop passes the same trees every step, so ``grads_to_fp32_``, ``apply_update_``
-(and its plan) and ``masters_to_model_`` remember that their checks passed, keyed on every
-value the checks read (structure, and each leaf's dtype, shape, device, strides, storage
-offset and address), never on object ids. Each test first makes a call pass and be
+A training loop passes the same trees every step, so a call site (``grads_to_fp32_`` so
+far) remembers that its checks passed, keyed on every value the checks read (structure,
+and each leaf's dtype, shape, device, strides, storage offset and address), never on
+object ids. The whole loop is exercised, so the calls without a memo guard the same. Each test first makes a call pass and be
 remembered, then changes one thing the checks care about, keeping the same Python objects
 where it can (a ``.data`` swap keeps the tensor's id), and expects the checks to run again
 and raise, with nothing written. On XLA nothing is remembered: the key would cost as much
@@ -68,20 +68,32 @@ def _count_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def test_a_repeated_step_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_repeated_call_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
     _checks.clear_memo()
     t = _setup(torch.device("cpu"))
     calls = _count_checks(monkeypatch)
-    _step(t)
+    _call(t, "grads_to_fp32_")
     assert {"check_pairs", "check_no_alias", "check_writable"} <= set(calls)
     calls.clear()
     for _ in range(3):
-        _step(t)
+        _call(t, "grads_to_fp32_")
     assert calls == []
 
 
 def _swap_dtype(t: dict[str, Any]) -> None:
     t["out"]["b"].data = t["out"]["b"].data.double()  # same object, same id
+
+
+def _out_dtype(t: dict[str, Any]) -> None:
+    t["out"]["b"].data = t["out"]["b"].data.half()
+
+
+def _out_shape(t: dict[str, Any]) -> None:
+    t["out"]["c"].data = torch.zeros(4)
+
+
+def _out_layout(t: dict[str, Any]) -> None:
+    t["out"]["a"].data = torch.zeros(1, 3).expand(4, 3)
 
 
 def _swap_shape(t: dict[str, Any]) -> None:
@@ -103,18 +115,18 @@ def _alias_by_data(t: dict[str, Any]) -> None:
 
 
 def _reused_id(t: dict[str, Any]) -> None:
-    # Drop a param and put, in its place, a view of another one that CPython hands the
-    # freed object's id (it does so at once here). The check must not care about ids.
-    old = id(t["params"]["c"])
-    del t["params"]["c"]
+    # Drop a grad and put, in its place, a view of an out buffer that CPython hands the
+    # freed object's id (it usually does at once; the alias must be caught either way).
+    old = id(t["grads"]["c"])
+    del t["grads"]["c"]
     gc.collect()
-    views = [t["params"]["a"][:2, :2] for _ in range(64)]
-    t["params"]["c"] = next(v for v in views if id(v) == old)
+    views = [t["out"]["a"][:2, :2] for _ in range(256)]
+    t["grads"]["c"] = next((v for v in views if id(v) == old), views[-1])
 
 
 # (name, change, the call that must raise, error, message)
 CHANGES: list[tuple[str, Callable[[dict[str, Any]], None], str, type[Exception], str]] = [
-    ("dtype", _swap_dtype, "apply_update_", TypeError, r"at 'grads\.b': expected torch\.float32"),
+    ("dtype", _swap_dtype, "apply_update_", TypeError, r"at 'grads\.b': expected a grad no wider"),
     ("shape", _swap_shape, "apply_update_", ValueError,
      r"at 'state\.exp_avg\.c': expected shape \(2, 2\)"),
     ("layout", _swap_layout, "apply_update_", ValueError,
@@ -122,8 +134,12 @@ CHANGES: list[tuple[str, Callable[[dict[str, Any]], None], str, type[Exception],
     ("new-alias", _new_alias, "masters_to_model_", ValueError,
      r"at 'params\.a': expected a tensor that shares no memory with 'params\.c'"),
     ("alias-by-data", _alias_by_data, "apply_update_", ValueError, r"that shares no memory"),
-    ("reused-id", _reused_id, "masters_to_model_", ValueError,
-     r"at 'params\.a': expected a tensor that shares no memory with 'params\.c'"),
+    ("out-dtype", _out_dtype, "grads_to_fp32_", TypeError,
+     r"at 'out\.b': expected a float32 or float64 tensor"),
+    ("out-shape", _out_shape, "grads_to_fp32_", ValueError, r"at 'out\.c': expected shape"),
+    ("out-layout", _out_layout, "grads_to_fp32_", ValueError,
+     r"at 'out\.a': expected a tensor whose elements"),
+    ("reused-id", _reused_id, "grads_to_fp32_", ValueError, r"that shares no memory"),
 ]  # fmt: skip
 
 

@@ -367,7 +367,7 @@ def test_mixed_low_grads_and_params(
     dev, cfg = xla_device, {"adam": adam, "sgd": sgd, "lion": lion}[kind]
     scale = torch.tensor(512.0, device=dev) if loss_scale == "tensor" else loss_scale
     ref, mine = _init(run["layout"], run["seed"], dev), _init(run["layout"], run["seed"], dev)
-    low = [torch.full(p.shape, 7.0, dtype=low_dtype, device=dev) for p in mine.values()]
+    low = [p.to(low_dtype) for p in mine.values()]  # as init_master's caller has them
     opt0 = _make(kind, cfg, run["lr"])
     state_ref, state = opt0.init(ref), opt0.init(mine)
     peaks = [0.0] * len(low)
@@ -392,8 +392,8 @@ def _peaks(tree: Any) -> list[float]:
 
 
 def test_skip_keeps_every_bit(xla_device: torch.device) -> None:
-    """found_inf true (bool, or a nonzero/NaN float): masters, moments and step counts keep
-    their bits; the model params still receive the (unchanged) masters, rounded."""
+    """found_inf true (bool, or a nonzero/NaN float): masters, moments, step counts and the
+    model params keep their bits (as ``apply_update_(params=)`` promises)."""
     dev, layout = xla_device, LAYOUTS[1]
     adam = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
     adam |= {"decoupled": True, "amsgrad": True, "maximize": False}
@@ -408,13 +408,14 @@ def test_skip_keeps_every_bit(xla_device: torch.device) -> None:
         )
         before = _host(_leaves(masters) + _leaves(state))
         for flag in (torch.tensor(True), torch.tensor(1.0), torch.tensor(float("nan"))):
-            low = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in layout]
+            # Model params that are not the masters rounded: a skip must keep them as they are.
+            low = [torch.full(s, 3.0, dtype=torch.bfloat16, device=dev) for s in layout]
             grads = [g.to(dev) for g in _grads(layout, 2, 1.0)]
             _kernel_step(kind, cfg, masters, state, grads, 0.1, flag.to(dev), low)
             after = _host(_leaves(masters) + _leaves(state))
             for x, y in zip(before, after):
                 assert torch.equal(_bits(x), _bits(y)), (kind, flag)
-            _assert_bits(low, [m.to(torch.bfloat16) for m in masters.values()], "model_params")
+            _assert_bits(low, [torch.full(s, 3.0, dtype=torch.bfloat16) for s in layout], "model")
         # found_inf false (float 0) steps.
         _kernel_step(kind, cfg, masters, state, grads, 0.1, torch.tensor(0.0, device=dev))
         assert all(float(s) == 2.0 for s in _host(_leaves(state.step)))

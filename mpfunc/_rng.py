@@ -1,0 +1,77 @@
+"""Counter-based random bits on the device: the same bits on CPU, CUDA and XLA.
+
+Stochastic rounding (the ``"stochastic"`` master strategy, the second moment of
+``state_dtype=torch.uint8``) needs fresh random bits every step, reproducible from a
+seed, drawn on the device with no host sync, and saved in a checkpoint. A global
+generator gives none of that across devices, so mpfunc hashes instead: element ``i``
+of a draw with key ``k`` gets ``mix(mix(i * golden + k) ^ k)``, where ``mix`` is
+MurmurHash3's 32-bit finalizer (an invertible avalanche: every input bit flips each
+output bit with probability about 1/2). The key is a 0-d int32 tensor on the device
+that the caller advances every step (``advance``), so the whole state is 4 bytes per
+leaf, and a step's draws depend only on (key, element index): the same on every device
+and for every memory layout (the index is the logical, row-major one).
+
+All arithmetic is int32 and wraps modulo 2**32 (two's complement, as torch's integer
+kernels and XLA do); right shifts are made logical with a mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["advance", "bits", "key_for", "uniform"]
+
+_GOLDEN = -1640531535  # 0x9E3779B1 as int32
+_M1 = -2048144789  # 0x85EBCA6B
+_M2 = -1028477387  # 0xC2B2AE35
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int32 values (torch's ``>>`` is arithmetic)."""
+    # ``>>`` (not torch.bitwise_right_shift, which torch_xla 2.9 lowers in s64) then a mask.
+    return (x >> n).bitwise_and_((1 << (32 - n)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's fmix32 on int32 tensors (a new tensor; ``x`` is not modified)."""
+    x = torch.bitwise_xor(x, _shr(x, 16))
+    x = x.mul_(_M1)
+    x = x.bitwise_xor_(_shr(x, 13))
+    x = x.mul_(_M2)
+    return x.bitwise_xor_(_shr(x, 16))
+
+
+def _wrap(v: int) -> int:
+    """A Python int as the int32 with the same low 32 bits."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def key_for(seed: int, index: int, device: torch.device | str) -> torch.Tensor:
+    """The first key of leaf ``index`` under ``seed``: a 0-d int32 tensor on ``device``."""
+    h = torch.tensor(_wrap(seed * 0x9E3779B1 + index), dtype=torch.int32)
+    h = _mix(_mix(h).bitwise_xor_(_wrap(index)))
+    return h.to(device)
+
+
+def advance(keys: list[torch.Tensor]) -> None:
+    """Moves every key to its next value in place (a step's draws are then fresh)."""
+    if not keys:
+        return
+    nxt = [_mix(k.add(_GOLDEN)) for k in keys]
+    torch._foreach_copy_(keys, nxt)
+
+
+def bits(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """32 random bits per element (int32) of a tensor of ``shape``, on ``key``'s device."""
+    n = 1
+    for s in shape:
+        n *= s
+    i = torch.arange(n, dtype=torch.int32, device=key.device).reshape(shape)
+    x = _mix(i.mul_(_GOLDEN).add_(key))
+    return _mix(x.bitwise_xor_(key))
+
+
+def uniform(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Draws in [0, 1) with 24 random bits each, float32, of ``shape``."""
+    return _shr(bits(key, shape), 8).to(torch.float32).mul_(2.0**-24)

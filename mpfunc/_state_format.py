@@ -1,0 +1,157 @@
+"""How optimizer moments are stored: ``state_dtype`` of ``adam``/``adamw``/``sgd``/``lion``.
+
+* ``None`` (default): like the master (float32; float64 for float64 masters).
+* ``torch.float32``: float32 moments whatever the master.
+* ``torch.bfloat16``: moments stored in bf16 (rounded to nearest even), computed in fp32:
+  a step loads a chunk of them into fp32 temporaries and stores them back.
+* ``torch.uint8``: moments quantized blockwise (``_quantize``: 32-element blocks with a
+  bf16 absmax scale, companded 8-bit codes; a ``QState(codes, scale)`` per leaf, 2.125
+  bytes per element for both Adam moments together). Second moments (``"square"``
+  fields) are rounded stochastically with draws keyed on the leaf's step count
+  (``_rng``), so a resumed run draws the same bits; first moments to nearest.
+
+Every load/store is sync-free and runs on CPU, CUDA and XLA.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mpfunc import _checks, _quantize, _rng, _tree
+from mpfunc._quantize import QState
+
+__all__ = ["STATE_DTYPES", "load", "store", "zeros"]
+
+STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.uint8)
+
+_tree.register_unit(QState)
+
+
+def moment_dtype(face: torch.Tensor, state_dtype: torch.dtype | None, is_fp32: bool) -> torch.dtype:
+    """The dtype a moment is computed in: the master's for ``"fp32"`` masters, else fp32."""
+    if is_fp32 and face.dtype in (torch.float32, torch.float64):
+        return face.dtype
+    return torch.float32
+
+
+def stored_dtype(compute: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    return compute if state_dtype is None else state_dtype
+
+
+def zeros(
+    kind: str, compute: torch.dtype, like: torch.Tensor, state_dtype: torch.dtype | None
+) -> Any:
+    """A zero moment of field kind ``kind`` for a leaf shaped like ``like``."""
+    dtype = stored_dtype(compute, state_dtype)
+    if dtype == torch.uint8:
+        return _quantize.zeros(like.shape, kind != "square", like.device)
+    # The master's layout (channels_last, transposed): fused kernels pair by position.
+    return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def problem(
+    kind: str, x: Any, like: torch.Tensor, dtype: torch.dtype
+) -> tuple[type[Exception], str, str] | None:
+    """What is wrong with a stored moment: (exception type, expected, got), or ``None``."""
+    if dtype == torch.uint8:
+        if not isinstance(x, QState) or not all(isinstance(t, torch.Tensor) for t in x):
+            return TypeError, "a QState (an 8-bit moment made by opt.init)", _checks.describe(x)
+        want = torch.int8 if kind != "square" else torch.uint8
+        c, s = x.codes, x.scale
+        if c.dtype != want or c.shape != like.shape or c.device != like.device:
+            return (
+                ValueError, f"codes {want} of shape {tuple(like.shape)} on {like.device}",
+                f"{c.dtype} of shape {tuple(c.shape)} on {c.device}",
+            )  # fmt: skip
+        n = _quantize.blocks(math.prod(like.shape))
+        if s.dtype != _quantize.SCALE_DTYPE or s.shape != (n,) or s.device != like.device:
+            return (
+                ValueError, f"scales {_quantize.SCALE_DTYPE} of shape ({n},) on {like.device}",
+                f"{s.dtype} of shape {tuple(s.shape)} on {s.device}",
+            )  # fmt: skip
+        if not c.is_contiguous() or not s.is_contiguous():
+            return ValueError, "contiguous codes and scales (as opt.init makes them)", "strided"
+        return None
+    if not isinstance(x, torch.Tensor):
+        return TypeError, "a tensor or None leaf", _checks.describe(x)
+    if x.layout is not torch.strided:
+        return TypeError, "a dense (strided) tensor", _checks.describe(x)
+    if x.dtype != dtype:
+        return TypeError, f"{dtype} (the state's dtype)", _checks.describe(x)
+    if x.shape != like.shape:
+        return ValueError, f"shape {tuple(like.shape)} (the master's)", f"shape {tuple(x.shape)}"
+    if x.device != like.device:
+        return ValueError, f"device {like.device} (the master's)", f"device {x.device}"
+    return None
+
+
+def check_quantizable(fn: str, side: _checks.Side, faces: list[Any]) -> None:
+    """8-bit moments need at least one whole block per leaf: a smaller leaf (a 3-element
+    bias, a 0-d temperature) would spend a bf16 scale on a handful of bytes and round
+    its moments coarsely for no saving worth having. Such leaves get a clear error that
+    points to ``partition``."""
+    for i, f in enumerate(faces):
+        if f is not None and f.numel() < _quantize.BLOCK:
+            _checks.fail(
+                ValueError, fn, side.path(i),
+                f"a leaf of at least {_quantize.BLOCK} elements for state_dtype=torch.uint8",
+                f"{f.numel()} elements",
+                "Keep small leaves in fp32 state: mpfunc.partition({'big': mpfunc.adamw(..., "
+                "state_dtype=torch.uint8), 'small': mpfunc.adamw(...)}, labels) with labels "
+                "from a function such as lambda path, p: 'big' if p.numel() >= 4096 else 'small'",
+            )  # fmt: skip
+
+
+def load(xs: list[Any], compute: torch.dtype) -> list[torch.Tensor]:
+    """Moments in ``compute`` dtype to run a kernel on: the stored tensors themselves when
+    they already are (written in place), else fresh temporaries."""
+    if not xs:
+        return []
+    if isinstance(xs[0], QState):
+        return _quantize.dequantize_list(xs)
+    if xs[0].dtype == compute:
+        return xs
+    return [x.to(compute) for x in xs]
+
+
+def store(
+    xs: list[Any],
+    values: list[torch.Tensor],
+    kind: str,
+    skip: torch.Tensor | None,
+    steps: list[torch.Tensor] | None,
+    salts: list[int],
+) -> None:
+    """Writes computed moments back into their stored form (nothing to do where ``load``
+    lent the stored tensors). Where ``skip`` is true every stored bit is kept."""
+    if not xs or values[0] is xs[0]:
+        return
+    if isinstance(xs[0], QState):
+        noises: list[torch.Tensor | None] = [None] * len(xs)
+        if kind == "square" and steps is not None:
+            noises = [
+                _rng.uniform(_key(t, salt), v.shape) for t, salt, v in zip(steps, salts, values)
+            ]
+        fresh = [_quantize.quantize(v.contiguous(), kind != "square", noise=n)
+                 for v, n in zip(values, noises)]  # fmt: skip
+        if skip is not None:
+            fresh = [
+                QState(torch.where(skip, q.codes, f.codes), torch.where(skip, q.scale, f.scale))
+                for q, f in zip(xs, fresh)
+            ]
+        torch._foreach_copy_([q.codes for q in xs], [f.codes for f in fresh])
+        torch._foreach_copy_([q.scale for q in xs], [f.scale for f in fresh])
+        return
+    rounded = [v.to(x.dtype) for x, v in zip(xs, values)]
+    if skip is not None:
+        rounded = [torch.where(skip, x, r) for x, r in zip(xs, rounded)]
+    torch._foreach_copy_(xs, rounded)
+
+
+def _key(step: torch.Tensor, salt: int) -> torch.Tensor:
+    """The draw key of one leaf at one step: its step count (exact in fp32 below 2**24)
+    mixed with a per-leaf salt. A Python-int salt traces as a constant: no transfer."""
+    return _rng._mix(step.to(torch.int32).mul(-1640531535).add_(_rng._wrap(salt)))
