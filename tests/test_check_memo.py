@@ -3,11 +3,11 @@
 A training loop passes the same trees every step, so a call site (``grads_to_fp32_`` so
 far) remembers that its checks passed, keyed on every value the checks read (structure,
 and each leaf's dtype, shape, device, strides, storage offset and address), never on
-object ids. The whole loop is exercised, so the calls without a memo guard the same. Each test first makes a call pass and be
-remembered, then changes one thing the checks care about, keeping the same Python objects
-where it can (a ``.data`` swap keeps the tensor's id), and expects the checks to run again
-and raise, with nothing written. On XLA nothing is remembered: the key would cost as much
-as the checks.
+object ids. The whole loop is exercised, so the calls without a memo guard the same.
+Each test first makes a call pass and be remembered, then changes one thing the checks
+care about, keeping the same Python objects where it can (a ``.data`` swap keeps the
+tensor's id), and expects the checks to run again and raise, with nothing written. On
+XLA nothing is remembered: the key would cost as much as the checks.
 """
 
 from __future__ import annotations
