@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _plan, _strategy, _tree
+from mpfunc import _checks, _gc, _plan, _sharding, _strategy, _tree
 from mpfunc._checks import Like, Side
 
 __all__ = ["masters_to_model", "masters_to_model_"]
@@ -49,7 +49,11 @@ def masters_to_model(masters: Any, params: Any) -> Any:
     """
     m, p, spec = _check("masters_to_model", masters, params)
     with torch.no_grad():
-        out = [q if t is None else _plan.fresh_copy(t, q.dtype) for t, q in zip(m.leaves, p.leaves)]
+        # Each new param has its param's XLA SPMD sharding, not its master's (ZeRO-1).
+        out = [
+            q if t is None else _sharding.like_(_plan.fresh_copy(t, q.dtype), q)
+            for t, q in zip(m.leaves, p.leaves)
+        ]
     return _tree.unflatten(spec, out)
 
 
