@@ -15,7 +15,9 @@ leaves every tensor as it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, NoReturn, Union
 
 import torch
@@ -29,6 +31,7 @@ __all__ = [
     "MASTER_DTYPES",
     "LRArg",
     "Like",
+    "Memo",
     "Side",
     "check_dense",
     "check_leaf_dtypes",
@@ -39,12 +42,14 @@ __all__ = [
     "check_tensor_or_none",
     "check_writable",
     "choice",
+    "clear_memo",
     "describe",
     "fail",
     "integer",
     "lr",
     "master_dtype",
     "real",
+    "recall",
     "tensor_leaves",
     "zero_d_bool",
 ]
@@ -615,3 +620,95 @@ def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int
         "One tensor under two names would be trained twice and one update lost: list each "
         "parameter once (model.named_parameters() does), or untie the weights",
     )  # fmt: skip
+
+
+# --- a memo of passed checks ----------------------------------------------------------------
+#
+# A training loop passes the same trees every step. So a call site may remember that its
+# checks passed, keyed on *everything those checks read*: the call site and its rules
+# (``tag``), each tree's structure, and each leaf's type, layout, dtype, shape, device,
+# strides, storage offset and address. The key holds no tensor and no object id standing
+# in for metadata: a hit means the checks would read exactly the same values again, so
+# they would pass again. A new tensor under a reused id, a ``.data`` swap, a changed dtype,
+# shape or layout, or a new alias changes the key and the checks run in full.
+#
+# Only on eager devices: there a leaf's key is a few attribute reads and the memo takes
+# about a third off the checks (10,000 leaves on CPU). XLA tensors have no address; what
+# the checks read instead (the storage's identity, torch's internal-overlap verdict) is
+# most of their cost, so a key is as dear as the checks and XLA trees are always checked
+# in full (measured: 6-7 ms with the memo against 4-5 ms without for a seed-sized step).
+
+_MEMO_SIZE = 32
+_memo: OrderedDict[Hashable, None] = OrderedDict()
+_memo_lock = threading.Lock()
+# Exactly these types: a subclass (DTensor, FakeTensor, ...) may answer these attributes
+# differently, so its trees are always checked in full.
+_MEMO_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class _NoMemo(Exception):
+    pass
+
+
+def _leaf_key(t: Any) -> Any:
+    """What every check reads of one leaf (``None`` for a ``None`` leaf)."""
+    if t is None:
+        return None
+    if type(t) not in _MEMO_TYPES or t.layout is not torch.strided or _no_address(t):
+        # The checks explain a bad leaf; a subclass or an XLA tensor is checked every time.
+        raise _NoMemo
+    return (t.dtype, t.shape, t.device, t.stride(), t.storage_offset(), t.data_ptr())
+
+
+class Memo(NamedTuple):
+    """Trees flattened once for a call's checks, and whether those checks already passed on
+    identical inputs (``hit``). After checking a miss in full, call ``passed()``."""
+
+    sides: list[Side]
+    specs: list[PyTreeSpec]
+    key: Hashable | None
+    hit: bool
+
+    def passed(self) -> None:
+        """Remembers that the checks of this key passed (the oldest key is forgotten)."""
+        if self.key is None:
+            return
+        with _memo_lock:
+            _memo[self.key] = None
+            _memo.move_to_end(self.key)
+            while len(_memo) > _MEMO_SIZE:
+                _memo.popitem(last=False)
+
+
+def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side] = ()) -> Memo:
+    """Flattens each ``(name, tree)`` and looks up whether the checks that ``tag`` names
+    (the call site, and every rule that decides what it checks) already passed on trees of
+    identical structure and leaf metadata. ``also``: trees flattened before, whose leaves
+    the checks read too (their structure must be in ``tag``). Nothing is checked here: on
+    a miss the caller runs its checks, then ``memo.passed()``."""
+    sides, specs = [], []
+    for name, tree in trees:
+        leaves, spec = _tree.flatten(tree)
+        sides.append(Side(name, tree, leaves))
+        specs.append(spec)
+    try:
+        key: Hashable | None = (
+            tag, tuple(specs),
+            tuple(tuple(map(_leaf_key, s.leaves)) for s in (*sides, *also)),
+        )  # fmt: skip
+        hash(key)
+    except (_NoMemo, TypeError, RuntimeError):
+        key = None
+    if key is None:
+        return Memo(sides, specs, None, False)
+    with _memo_lock:
+        hit = key in _memo
+        if hit:
+            _memo.move_to_end(key)
+    return Memo(sides, specs, key, hit)
+
+
+def clear_memo() -> None:
+    """Forgets every passed check (tests)."""
+    with _memo_lock:
+        _memo.clear()

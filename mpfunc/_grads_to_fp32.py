@@ -20,11 +20,18 @@ _OUT = Like("the grad's", dtypes=_checks.MASTER_DTYPES, what="a float32 or float
 
 
 def _check_grads(fn: str, grads: Any) -> tuple[_checks.Side, Any]:
-    side, spec = _checks.tensor_leaves(fn, "grads", grads)
+    leaves, spec = _tree.flatten(grads)
+    side = _checks.Side("grads", grads, leaves)
+    _check_grad_leaves(fn, side)
+    return side, spec
+
+
+def _check_grad_leaves(fn: str, side: _checks.Side) -> None:
+    """Every leaf is ``None`` or a dense floating-point tensor."""
+    _checks.check_dense(fn, side)
     for i, g in enumerate(side.leaves):
         if g is not None and g.dtype not in _checks.FLOAT_DTYPES:
             _checks.fail(TypeError, fn, side.path(i), _FLOATING, _checks.describe(g), _HINT)
-    return side, spec
 
 
 def _unscale_(tensors: list[torch.Tensor], value: torch.Tensor | None) -> None:
@@ -105,14 +112,18 @@ def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
       Nothing is written unless every check passes.
     """
     fn = "grads_to_fp32_"
-    g, g_spec = _check_grads(fn, grads)
-    o, o_spec = _checks.tensor_leaves(fn, "out", out)
-    _checks.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
-    _checks.check_pairs(fn, g, o, _OUT)
-    # Only the out tensors that receive a grad are written (positions kept, for paths).
-    written = o.where_present(g.leaves)
-    _checks.check_writable(fn, [written])
-    _checks.check_no_alias(fn, written=[written], read=[g])
+    memo = _checks.recall(fn, [("grads", grads), ("out", out)])
+    (g, o), (g_spec, o_spec) = memo.sides, memo.specs
+    if not memo.hit:
+        _check_grad_leaves(fn, g)
+        _checks.check_dense(fn, o)
+        _checks.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
+        _checks.check_pairs(fn, g, o, _OUT)
+        # Only the out tensors that receive a grad are written (positions kept, for paths).
+        written = o.where_present(g.leaves)
+        _checks.check_writable(fn, [written])
+        _checks.check_no_alias(fn, written=[written], read=[g])
+        memo.passed()
     divisor = _loss_scale.scale_value(fn, scale)  # checked before any write
     pairs = [(d, s) for d, s in zip(o.leaves, g.leaves) if s is not None]
     dst = [d for d, _ in pairs]

@@ -84,9 +84,22 @@ def _foreach(group: Group, h: LionHyper) -> None:
         torch._foreach_lerp_(s.exp_avg, grads, 1 - h.beta2)
 
 
+def _xla(group: Group, h: LionHyper) -> None:
+    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach`` op for op;
+    see ``_adam._xla``."""
+    from mpfunc import _xla_kernels
+
+    s: LionState = group.state
+    _xla_kernels.lion_xla_(
+        group.params, group.grads, s.exp_avg, s.step, lr=group.lr, beta1=h.beta1,
+        beta2=h.beta2, weight_decay=h.weight_decay, maximize=h.maximize,
+        found_inf=group.skip, grad_scale=group.scale, model_params=group.model,
+    )  # fmt: skip
+
+
 _RULE = Rule(
     name="lion", state_type=LionState, fields=_fields,
-    kernels={"reference": _reference, "foreach": _foreach},
+    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla},
 )  # fmt: skip
 
 
@@ -109,7 +122,9 @@ def lion(
       betas: ``(beta1, beta2)``: the interpolation for the sign, and the momentum decay.
       weight_decay: decoupled, as in AdamW: the master is multiplied by ``1 - lr * wd``.
       maximize: ascend instead of descend.
-      impl: ``"auto"``/``"foreach"`` (multi-tensor ops) or ``"reference"`` (per-tensor loop).
+      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, else
+        foreach), ``"foreach"`` (multi-tensor ops), ``"xla"`` or ``"reference"`` (a
+        per-tensor loop).
 
     Returns:
       An ``Optimizer`` whose state is a ``LionState``.
@@ -126,7 +141,7 @@ def lion(
         weight_decay=_checks.real(fn, "weight_decay", weight_decay, ge=0.0),
         maximize=bool(maximize),
     )
-    chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference"))
+    chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference", "xla"))
     return _plan.elementwise(
         _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
     )

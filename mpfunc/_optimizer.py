@@ -122,7 +122,7 @@ class Rule(NamedTuple):
     ``"step"`` (a 0-d float32 count per leaf), ``"moment"`` (like the master, any sign) or
     ``"square"`` (like the master, never negative: 8-bit states use an unsigned code);
     the other fields of ``state_type`` must be ``None``. ``kernels`` maps an implementation
-    name (``"reference"``, ``"foreach"``, ``"fused"``) to its kernel.
+    name (``"reference"``, ``"foreach"``, ``"fused"``, ``"xla"``) to its kernel.
     """
 
     name: str

@@ -4,6 +4,13 @@ torch's multi-tensor kernels take lists whose tensors share one device and one
 dtype. A step's leaves are grouped by (device, dtype, implementation), and each
 group becomes one or more kernel calls (``Work``):
 
+* ``auto`` picks ``xla`` on XLA devices where the rule has an XLA kernel and the leaf
+  has a plain float32 master with float32 state (``xla_applies``), and no
+  diagnostics are asked for: the whole group's step (grads widened and unscaled,
+  rounded params written) is then one cached XLA computation, one traced node instead
+  of about 16 per leaf. Elsewhere on XLA (float64 masters, other master strategies,
+  bf16 or 8-bit state, ``stats=``, lazy devices other than torch_xla's) the foreach
+  path remains.
 * ``auto`` picks ``native`` on the CPU where the rule has one (mpfunc's own kernel,
   ``_native``: the whole mixed step in one pass), the master is a plain float32 tensor,
   the state float32, no stats are asked for, the leaf's tensors (master, grad, state,
@@ -12,7 +19,8 @@ group becomes one or more kernel calls (``Work``):
   layouts are as for ``native``; otherwise ``foreach``. torch's fused kernels pair elements
   by memory position, so a channels_last master with a contiguous grad would mix
   elements silently: such leaves take the foreach path, which pairs by index.
-  An explicit ``impl="fused"`` falls back the same way, leaf by leaf.
+  An explicit ``impl="fused"`` falls back the same way, leaf by leaf. An explicit
+  ``impl="xla"`` raises, naming the leaf, where ``xla_applies`` does not hold.
 * ``foreach`` groups on eager devices are split into bounded runs, so the
   temporaries a foreach chain allocates stay a constant, not a model's worth.
   Lazy devices (XLA) trace one graph, fuse the temporaries away, and are not split.
@@ -56,9 +64,10 @@ __all__ = [
     "group_indices",
     "is_lazy",
     "pick",
+    "xla_applies",
 ]
 
-Impl = Literal["auto", "fused", "foreach", "reference"]
+Impl = Literal["auto", "fused", "foreach", "reference", "xla"]
 IMPLS: tuple[str, ...] = typing.get_args(Impl)
 
 # One foreach call on an eager device touches at most this many elements, so the
@@ -88,6 +97,18 @@ def is_lazy(device: torch.device) -> bool:
 def fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch has a fused optimizer kernel for this device and dtype."""
     return device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
+
+
+def xla_applies(master: object, state: Sequence[object]) -> bool:
+    """Whether a leaf can take a rule's ``"xla"`` kernel: a plain float32 master tensor on
+    a torch_xla device, with float32 state tensors (step counts are always float32)."""
+    f32 = torch.float32
+    return (
+        isinstance(master, torch.Tensor)
+        and bool(master.is_xla)  # type: ignore[attr-defined]
+        and master.dtype == f32
+        and all(t is None or (isinstance(t, torch.Tensor) and t.dtype == f32) for t in state)
+    )
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -487,6 +508,11 @@ def _plan_elementwise(
         raise ValueError(
             f"{fn}: impl='fused': {rule.name} has no fused kernel; use 'auto' or 'foreach'"
         )
+    has_xla = "xla" in rule.kernels
+    if impl == "xla" and not has_xla:
+        raise ValueError(
+            f"{fn}: impl='xla': {rule.name} has no XLA kernel; use 'auto' or 'foreach'"
+        )
     keys: list[tuple[object, ...] | None] = []
     for i, (m, g) in enumerate(zip(masters, grads)):
         if m is None or g is None:
@@ -497,6 +523,24 @@ def _plan_elementwise(
         plain = s is None or s.unit is None
         compute = _compute_dtype(f, plain)
         stored = [x for x in (mf[i] for mf in moments)]
+        if (
+            impl in ("auto", "xla")
+            and has_xla
+            and s is None
+            and step.stats is None
+            and xla_applies(f, stored)
+        ):
+            # The whole step in one node: grads and model params of any float dtypes (each
+            # converted on its own), so the key says only whether there are model params.
+            has_model = model is not None and model[i] is not None
+            keys.append((f.device, compute, "xla", None, True if has_model else None))
+            continue
+        if impl == "xla":
+            raise ValueError(
+                f"{fn}: at {step.masters.path(i)!r}: impl='xla': expected a float32 master "
+                f"(fp32 strategy, float32 state, no stats) on an XLA device, got "
+                f"{_checks.describe(f)}. Use impl='auto' or 'foreach'."
+            )
         direct = (
             plain
             and g.dtype == f.dtype
@@ -560,7 +604,7 @@ def _plan_elementwise(
         else:
             lr_d = _lr_on(lr, device, torch.zeros(()), cache)
         skip_d = _skip_on(step.skip, device, cache)
-        if kernel_name == "native":  # the whole step, all leaves in one call
+        if kernel_name in ("native", "xla"):  # the whole step, all leaves in one call
             sliced = {name: pick(f, idx) for name, f in fields.items()}
             group = Group(
                 pick(masters, idx), pick(grads, idx),
@@ -568,7 +612,7 @@ def _plan_elementwise(
                 model=None if key[4] is None or model is None else pick(model, idx),
                 scale=None if step.scale is None else _scale_on(step.scale, device, cache),
             )  # fmt: skip
-            work.append(Work(rule.kernels["native"], group, hyper))
+            work.append(Work(rule.kernels[kernel_name], group, hyper))
             continue
         if len(key) == 3:  # direct: the masters are the kernel's own tensors
             runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))

@@ -3,6 +3,8 @@
 Two implementations of one step, as torch.optim.SGD defines it:
 
 * ``foreach``: ``torch._foreach_*`` ops, grouped by (device, dtype). Default.
+* ``xla``: on XLA, the whole group as one traced node (``_xla_kernels``). Default there
+  for fp32 masters.
 * ``reference``: the same ops one tensor at a time, to read.
 
 torch.optim starts the momentum buffer as a copy of the first gradient, a
@@ -106,9 +108,23 @@ def _foreach(group: Group, h: SGDHyper) -> None:
             torch._foreach_add_(params, grads, alpha=-lr)
 
 
+def _xla(group: Group, h: SGDHyper) -> None:
+    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach`` op for op;
+    see ``_adam._xla``."""
+    from mpfunc import _xla_kernels
+
+    s: SGDState = group.state
+    _xla_kernels.sgd_xla_(
+        group.params, group.grads, s.momentum_buffer, s.step, lr=group.lr,
+        momentum=h.momentum, dampening=h.dampening, weight_decay=h.weight_decay,
+        nesterov=h.nesterov, maximize=h.maximize, found_inf=group.skip,
+        grad_scale=group.scale, model_params=group.model,
+    )  # fmt: skip
+
+
 _RULE = Rule(
     name="sgd", state_type=SGDState, fields=_fields,
-    kernels={"reference": _reference, "foreach": _foreach},
+    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla},
 )  # fmt: skip
 
 
@@ -130,8 +146,10 @@ def sgd(
         schedule, a function of the 0-d float32 step count (steps already taken)
         returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
       momentum, dampening, weight_decay, nesterov, maximize: as in ``torch.optim.SGD``.
-      impl: ``"auto"``/``"foreach"`` (multi-tensor ops) or ``"reference"`` (per-tensor loop).
-        torch's fused SGD needs a host flag for the first step, so it is not used.
+      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, else
+        foreach), ``"foreach"`` (multi-tensor ops), ``"xla"`` or ``"reference"`` (a
+        per-tensor loop). torch's fused SGD needs a host flag for the first step, so it is
+        not used.
 
     Returns:
       An ``Optimizer`` whose state is an ``SGDState``.
@@ -148,7 +166,7 @@ def sgd(
         nesterov=bool(nesterov),
         maximize=bool(maximize),
     )
-    chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference"))
+    chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference", "xla"))
     if h.nesterov and (h.momentum <= 0 or h.dampening != 0):
         raise ValueError(
             f"{fn}: nesterov: expected momentum > 0 and dampening == 0, got "

@@ -1,4 +1,5 @@
-"""One traced node per optimizer step on XLA: Adam/AdamW and SGD as XLA user computations.
+"""One traced node per optimizer step on XLA: Adam/AdamW, SGD and Lion as XLA user
+computations, the ``"xla"`` kernels of ``mpfunc.adam``/``adamw``/``sgd``/``lion``.
 
 On the XLA device every torch op is traced into the graph on the host, and for an
 optimizer the tracing is the step: mpfunc's foreach Adam traces about 16 nodes per
@@ -10,13 +11,14 @@ documented ``xla_op_registry``). Its results are written back with one
 input/output buffer donation; the node lists its inputs so that each buffer is donated
 to its own output (see ``_Leaves``).
 
-The computation is ``mpfunc._adam._foreach`` and ``mpfunc._sgd._foreach`` op for op
-(the HLO torch_xla lowers them to), with the skip applied as ``_optimizer.guarded``
-does. The results agree with the foreach path's within the stated bound and are
-nearly always bit-identical: XLA:CPU fuses ``a * b + c`` into one rounding where both
-ops land in one fusion, and fusion depends on the whole graph, so a few elements can
-differ in the last bit (a 0-d leaf's second moment; SGD with dampening after a skipped
-first step). The same holds for the foreach path itself in two different graphs.
+The computation is ``mpfunc._adam._foreach``, ``mpfunc._sgd._foreach`` and
+``mpfunc._lion._foreach`` op for op (the HLO torch_xla lowers them to), with the skip
+applied as ``_optimizer.unless_skipped`` does. The results agree with the foreach path's
+within the stated bound and are nearly always bit-identical: XLA:CPU fuses ``a * b + c``
+into one rounding where both ops land in one fusion, and fusion depends on the whole
+graph, so a few elements can differ in the last bit (a 0-d leaf's second moment; SGD
+with dampening after a skipped first step). The same holds for the foreach path itself
+in two different graphs.
 
 torch_xla's own fused ops (``_xla_adam_optimizer_step_``/``_xla_sgd_optimizer_step_``,
 used by ``torch_xla.amp.syncfree``) cannot keep mpfunc's promises: they take ``lr`` as a
@@ -31,7 +33,8 @@ Also folded into the node, to cut host time further:
 * low-precision grads (bf16/fp16) are widened inside, exactly as ``grads_to_fp32_``
   widens them, so the fp32 grad buffers are not needed on this path;
 * ``model_params``: the masters after the step, rounded to each model param's dtype
-  (round to nearest even), as ``masters_to_model_`` writes them.
+  (round to nearest even), as ``masters_to_model_`` writes them (a skipped step keeps
+  their bits, as ``apply_update_(params=)`` does).
 
 What this path does not take (callers keep the foreach path for it): masters or
 moments in a dtype other than float32 (fp64 masters, low-precision state
@@ -48,7 +51,7 @@ from typing import Any, NamedTuple, NoReturn, Optional, Union
 
 import torch
 
-__all__ = ["adam_xla_", "clear_cache", "sgd_xla_"]
+__all__ = ["adam_xla_", "clear_cache", "lion_xla_", "sgd_xla_"]
 
 LR = Union[float, torch.Tensor]
 
@@ -141,29 +144,35 @@ def _scalar(fn: str, name: str, value: LR, device: torch.device) -> torch.Tensor
 
 
 def _run(
-    fn: str,
-    key: tuple[Any, ...],
-    inputs: list[torch.Tensor],
-    build: Callable[[], Any],
-    outputs: Sequence[list[torch.Tensor]],
+    kind: str,
+    h: tuple[Any, ...],
+    group: _Leaves,
+    shared: tuple[list[torch.Tensor], tuple[Any, ...]],
+    build: Callable[[Any, _Leaves, tuple[Any, ...]], Any],
+    fields: Sequence[Sequence[Any]],
+    model_params: Optional[Sequence[Optional[torch.Tensor]]],
 ) -> None:
-    """Gets (or builds) the computation for ``key``, calls it once, and copies its results
-    into ``outputs`` (one list of destinations per output field; the results come leaf-major:
-    leaf 0's fields, then leaf 1's, ...)."""
+    """Gets (or builds, with ``build(h, group, shared_key)``) the computation of this step,
+    calls it once, and copies its results into ``fields`` and ``model_params`` (one list of
+    destinations per output field; the results come leaf-major: leaf 0's fields, then leaf
+    1's, ...)."""
+    inputs, shared_key = shared
+    key = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes)
     with _lock:
         comp = _cache.get(key)
     if comp is None:
-        comp = build()
+        comp = build(h, group, shared_key)
         with _lock:
             if len(_cache) >= _CACHE_SIZE:
                 _cache.pop(next(iter(_cache)))
             _cache[key] = comp
-    results = _xlac()._xla_user_computation(f"xla::mpfunc_{fn}", inputs, comp)
+    outputs = [*fields, *([model_params] if model_params is not None else [])]
+    results = _xlac()._xla_user_computation(f"xla::mpfunc_{kind}", group.inputs + inputs, comp)
     n_fields = len(outputs)
     with torch.no_grad():
         for j, dst in enumerate(outputs):
             if dst:
-                torch._foreach_copy_(dst, list(results[j::n_fields]))
+                torch._foreach_copy_(list(dst), list(results[j::n_fields]))
 
 
 _SCALAR = torch.Size([])
@@ -248,7 +257,9 @@ def _gather(
             ] and all(d in _FLOATS for d in set(low_dtypes))
     if not ok:
         _explain(fn, params, grads, moments, steps, model_params)
-    state = [t for seq in (params, *(seq for _, seq in moments), steps) for t in seq]
+    model = [model_params] if (low_dtypes and model_params is not None) else []
+    fields = (params, *(seq for _, seq in moments), steps, *model)
+    state = [t for seq in fields for t in seq]
     order = _by_tensor_id(state)  # type: ignore[arg-type]
     inputs = [state[k] for k in order] + list(grads)
     shapes = tuple(s for s, _, _ in psig)
@@ -338,16 +349,29 @@ class _B:
             self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="f32")
         return self._consts[k]
 
-    def state_params(self, group: _Leaves, n_fields: int) -> list[list[Any]]:
-        """The state parameters in ``group.order``, returned as ``[field][leaf]``; the last
-        field is the 0-d step counts, the others are shaped like the masters."""
+    def state_params(self, group: _Leaves, n_fields: int) -> tuple[list[list[Any]], list[Any]]:
+        """The state parameters in ``group.order``: ``n_fields`` fp32 fields as
+        ``[field][leaf]`` (the last is the 0-d step counts, the others are shaped like the
+        masters), and the model params' (their old values, kept where the step is skipped),
+        ``None`` per leaf without them."""
         n = len(group.shapes)
-        ops: list[list[Any]] = [[None] * n for _ in range(n_fields)]
+        ops: list[list[Any]] = [[None] * n for _ in range(n_fields + 1)]
         for k in group.order:
             field, leaf = divmod(k, n)
+            if field == n_fields:
+                assert group.low_dtypes is not None
+                ops[field][leaf] = self.param(group.shapes[leaf], group.low_dtypes[leaf])
+                continue
             shape = () if field == n_fields - 1 else group.shapes[leaf]
             ops[field][leaf] = self.param(shape, torch.float32)
-        return ops
+        return ops[:n_fields], ops[n_fields]
+
+    def round_out(self, skip: Any, old: Any, p: Any, low: Optional[torch.dtype]) -> list[Any]:
+        """The model param's output: the master rounded to nearest even (as ``Tensor.to``),
+        or its old bits where the step is skipped; nothing without a model param."""
+        if low is None:
+            return []
+        return [self.keep(skip, old, self.to(p, torch.float32, low))]
 
     def grad_params(self, group: _Leaves) -> list[Any]:
         """The grads' parameters (after the state), widened to fp32 inside."""
@@ -376,13 +400,20 @@ class _B:
 
     def keep(self, skip: Any, old: Any, new: Any) -> Any:
         """``old`` where the step is skipped, else ``new``: the same select as
-        ``_optimizer.guarded``, applied to each state value as soon as it is computed.
+        ``_optimizer.unless_skipped``, applied to each state value as soon as it is computed.
 
         Later values read the selected ones (equal to the new ones whenever they are used),
         never the old buffers: a fusion that still read an old moment after its output was
         written would make XLA copy that buffer rather than update it in place.
         """
         return new if skip is None else skip.select(old, new)
+
+    def sign(self, x: Any) -> Any:
+        """torch_xla's ``sign``: -1, +1, or ``x`` itself for a (signed) zero, and 0 for NaN
+        (as torch's), by selects (the builder has no sign op)."""
+        zero = x.zeros_like()
+        signed_zero = (x != x).select(zero, x)
+        return (x > zero).select(x.ones_like(), (x < zero).select(-x.ones_like(), signed_zero))
 
     def to(self, op: Any, src: torch.dtype, dst: torch.dtype) -> Any:
         return op if src == dst else op.cast(_type(dst))
@@ -401,14 +432,14 @@ class _AdamHyper(NamedTuple):
 def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """The computation of one Adam/AdamW step over ``group``.
 
-    Op for op the HLO of ``_adam._foreach`` (with ``_optimizer.guarded`` for the skip):
+    Op for op the HLO of ``_adam._foreach`` (with ``_optimizer.unless_skipped`` for the skip):
     the moments by ``lerp`` (``m + (1 - beta1) * (g - m)``) and ``v * beta2 + g*g *
     (1 - beta2)``, the bias corrections ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``
     through ``expm1(t * ln beta)``, and ``p + m / ((sqrt(v) / c2 + eps) / c1)``.
     """
     b = _B("mpfunc_adam")
     f32 = torch.float32
-    state = b.state_params(group, 5 if h.amsgrad else 4)
+    state, L = b.state_params(group, 5 if h.amsgrad else 4)
     P, M, V, S = state[0], state[1], state[2], state[-1]
     VM = state[3] if h.amsgrad else [None] * len(P)
     G = b.grad_params(group)
@@ -428,7 +459,7 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     beta2, eps, wd = b.f32(h.beta2), b.f32(h.eps), b.f32(h.weight_decay)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, m, v, vm, s), low in zip(ins, lows):
+    for (p, g, m, v, vm, s), low, old_low in zip(ins, lows, L):
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
@@ -447,9 +478,7 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         denom = ((vd.sqrt() / c2) + eps) / c1
         p2 = b.keep(skip, p, p1 + m1 / denom)
         new = [p2, m1, v1] + ([vm1] if vm1 is not None else []) + [s1]
-        if low is not None:
-            new.append(b.to(p2, f32, low))
-        outs.extend(new)
+        outs.extend(new + b.round_out(skip, old_low, p2, low))
     return b.xb.Op.tuple(outs).build("mpfunc_adam")
 
 
@@ -469,7 +498,7 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """
     b = _B("mpfunc_sgd")
     f32 = torch.float32
-    state = b.state_params(group, 3 if h.momentum != 0 else 2)
+    state, L = b.state_params(group, 3 if h.momentum != 0 else 2)
     B = state[1] if h.momentum != 0 else [None] * len(state[0])
     G = b.grad_params(group)
     _, skip_kind, scaled = shared
@@ -481,7 +510,7 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     mom, wd, neg_damp = b.f32(h.momentum), b.f32(h.weight_decay), b.f32(-h.dampening)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, buf, s), low in zip(ins, lows):
+    for (p, g, buf, s), low, old_low in zip(ins, lows, L):
         if h.maximize:
             g = -g
         if h.weight_decay != 0:
@@ -495,10 +524,52 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         p1 = b.keep(skip, p, p - g * lr)
         s1 = b.keep(skip, s, s + one)
         new = [p1] + ([buf1] if buf1 is not None else []) + [s1]
-        if low is not None:
-            new.append(b.to(p1, f32, low))
-        outs.extend(new)
+        outs.extend(new + b.round_out(skip, old_low, p1, low))
     return b.xb.Op.tuple(outs).build("mpfunc_sgd")
+
+
+class _LionHyper(NamedTuple):
+    beta1: float
+    beta2: float
+    weight_decay: float
+    maximize: bool
+
+
+def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one Lion step over ``group``: op for op ``_lion._foreach``.
+
+    torch_xla lowers ``lerp`` to ``m + w * (g - m)`` and ``sign`` to XLA's sign with NaN
+    mapped to 0 (as torch's ``sign``), and both are written that way here.
+    """
+    b = _B("mpfunc_lion")
+    f32 = torch.float32
+    state, L = b.state_params(group, 3)
+    P, M, S = state
+    G = b.grad_params(group)
+    lr_kind, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    decay = b.param((), f32) if (h.weight_decay != 0 and lr_kind == "float") else None
+    if h.weight_decay != 0 and decay is None:
+        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
+    skip = b.skip(skip_kind)
+    ins = list(zip(P, b.unscale(G, scaled), M, S))
+
+    one = b.f32(1.0)
+    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for (p, g, m, s), low, old_low in zip(ins, lows, L):
+        if h.maximize:
+            g = -g
+        s1 = b.keep(skip, s, s + one)
+        p1 = p * decay if h.weight_decay != 0 else p
+        c = m + w1 * (g - m)
+        direction = b.sign(c)
+        p2 = b.keep(skip, p, p1 - direction * lr)
+        m1 = b.keep(skip, m, m + w2 * (g - m))
+        new = [p2, m1, s1]
+        outs.extend(new + b.round_out(skip, old_low, p2, low))
+    return b.xb.Op.tuple(outs).build("mpfunc_lion")
 
 
 # --- entry points ----------------------------------------------------------------------------
@@ -544,7 +615,7 @@ def adam_xla_(
         the widened grads are divided by it first, as ``grads_to_fp32_(scale=)`` does.
       model_params: ``None``, or one floating tensor per leaf that receives the master
         after the step rounded to its dtype (round to nearest even), as
-        ``masters_to_model_`` writes it.
+        ``masters_to_model_`` writes it; where the step is skipped it keeps its bits.
 
     Raises:
       TypeError, ValueError: a list's length, a tensor's dtype, shape or device, or ``lr``,
@@ -569,15 +640,9 @@ def adam_xla_(
         moments.append(("max_exp_avg_sq", max_exp_avg_sq))
     group = _gather(fn, params, grads, moments, steps, model_params)
     decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
-    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    key = (
-        "adam", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
-    )  # fmt: skip
-    fields = [list(params), *(list(seq) for _, seq in moments), list(steps)]
-    if model_params is not None:
-        fields.append(list(model_params))
-    build = lambda: _build_adam(h, group, shared_key)  # noqa: E731
-    _run("adam", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
+    shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
+    fields = [params, *(seq for _, seq in moments), steps]
+    _run("adam", h, group, shared, _build_adam, fields, model_params)
 
 
 def sgd_xla_(
@@ -619,12 +684,42 @@ def sgd_xla_(
             raise ValueError(f"{fn}: momentum_buffer: expected a list of tensors, got None")
         moments.append(("momentum_buffer", momentum_buffer))
     group = _gather(fn, params, grads, moments, steps, model_params)
-    shared, shared_key = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
-    key = (
-        "sgd", h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes,
-    )  # fmt: skip
-    fields = [list(params), *(list(seq) for _, seq in moments), list(steps)]
-    if model_params is not None:
-        fields.append(list(model_params))
-    build = lambda: _build_sgd(h, group, shared_key)  # noqa: E731
-    _run("sgd", key, group.inputs + shared, build, fields)  # type: ignore[arg-type]
+    shared = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
+    fields = [params, *(seq for _, seq in moments), steps]
+    _run("sgd", h, group, shared, _build_sgd, fields, model_params)
+
+
+def lion_xla_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avg: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: LR,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool,
+    found_inf: Optional[torch.Tensor] = None,
+    grad_scale: Optional[LR] = None,
+    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+) -> None:
+    """One Lion step over same-device XLA tensors, traced as one node: ``_lion._foreach``
+    op for op, in place.
+
+    Args:
+      params, grads, steps, lr, found_inf, grad_scale, model_params: as ``adam_xla_``.
+      exp_avg: the momentum, like ``params``.
+      beta1, beta2, weight_decay, maximize: as ``mpfunc.lion``.
+
+    Raises:
+      TypeError, ValueError: as ``adam_xla_``.
+    """
+    fn = "lion_xla_"
+    if not params:
+        return
+    h = _LionHyper(float(beta1), float(beta2), float(weight_decay), bool(maximize))
+    group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params)
+    decay = h.weight_decay if h.weight_decay != 0 else None
+    shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
+    _run("lion", h, group, shared, _build_lion, [params, exp_avg, steps], model_params)

@@ -400,7 +400,7 @@ def _factory_rows() -> Iterator[Any]:
         bad("sgd", mpfunc.sgd, ValueError, nesterov + r"momentum=0\.9, dampening=0\.1$",
             nesterov=True, momentum=0.9, dampening=0.1),
         bad("sgd", mpfunc.sgd, ValueError,
-            r"impl: expected one of auto, foreach, reference, got 'fused'$", impl="fused"),
+            r"impl: expected one of auto, foreach, reference, xla, got 'fused'$", impl="fused"),
     ]  # fmt: skip
     unit = r"expected a float in \[0, 1\), got "
     for fn, f in (("adam", mpfunc.adam), ("adamw", mpfunc.adamw)):

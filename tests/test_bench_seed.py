@@ -62,7 +62,7 @@ def test_outputs_exist_and_table_is_printed(smoke: tuple[Path, str]) -> None:
         assert all("failed" not in row for row in rows)
     assert "## Targets" in table
     if "xla" in DEVICES:
-        assert "| trace ms | execute ms |" in table
+        assert "| trace ms | update ms | execute ms |" in table
 
 
 @pytest.mark.slow
@@ -83,8 +83,10 @@ def test_every_sample_is_sane(smoke: tuple[Path, str], device: str) -> None:
         assert [s["block"] for s in r["samples"]] == list(range(blocks))
         for s in r["samples"]:
             assert 0 < s["step_s"] < 60 and len(s["host_s"]) == steps
-            assert len(s["trace_s"]) == len(s["sync_s"]) == steps
+            assert len(s["trace_s"]) == len(s["sync_s"]) == len(s["update_s"]) == steps
             assert all(t > 0 for t in s["trace_s"]) and all(t >= 0 for t in s["sync_s"])
+            # The optimizer's part of each step: timed, and within the step's trace.
+            assert all(0 < u < t for u, t in zip(s["update_s"], s["trace_s"]))
             assert math.isfinite(s["loss"])
         # Same fixed batch every step: training must make progress in every mode.
         assert r["samples"][-1]["loss"] < r["setup"]["warmup_loss"]
@@ -126,6 +128,10 @@ def test_targets_held_missed_and_unmeasured() -> None:
     bf16 = next(t for (d, name), t in rows.items() if d == "cpu" and "bf16" in name)
     assert bf16["held"] is False and bf16["measured"] == "1.20×"
     assert all(t["held"] is None for (d, _), t in rows.items() if d == "xla")
+    xla = report.targets({"devices": {"xla": device(update_x_pertensor=0.2, x_flat=0.6)}})
+    held = {t["target"]: t["held"] for t in xla}
+    assert held["mpfunc update trace ≤ 0.25× pertensor's"] is True
+    assert held["mpfunc step ≤ 0.5× flat"] is False
 
 
 def test_output_goes_outside_the_repository_unless_out_says() -> None:

@@ -50,7 +50,8 @@ def run(device: torch.device, data: st.DataObject, in_place: bool) -> None:
     name = data.draw(st.sampled_from(sorted(OPTS)), label="optimizer")
     factory, torch_cls, hp, impls = OPTS[name]
     if device.type != "cpu":
-        impls = [i for i in impls if i != "fused"]
+        # "auto" is the one-node XLA kernel there; "xla" names it explicitly.
+        impls = [i for i in impls if i != "fused"] + ["xla"]
     impl = data.draw(st.sampled_from(impls), label="impl")
     n = data.draw(st.integers(1, 4), label="leaves")
     layouts = [data.draw(st.sampled_from(PARAM_LAYOUTS), label=f"layout{i}") for i in range(n)]

@@ -1,4 +1,5 @@
-"""mpfunc._xla_kernels: Adam/AdamW/SGD as one XLA node per step.
+"""mpfunc._xla_kernels: Adam/AdamW/SGD/Lion as one XLA node per step, and its wiring as
+the ``"xla"`` kernel that ``impl="auto"`` picks on XLA for fp32 masters.
 
 * mpfunc's foreach path, for every flag, tensor or float lr, and skip pattern: step
   counts equal, every value within the stated bound, and nearly every element
@@ -8,7 +9,8 @@
 * every master and moment updated in its own donated buffer (no XLA copies);
 * skip (``found_inf``) keeps every bit with no host read; a tensor lr changed every step
   and a float lr schedule never recompile; no transfer, no ``aten::`` fallback;
-* one traced node for the whole group; bad inputs raise before anything is written.
+* one traced node for the whole group; bad inputs raise before anything is written;
+* the plan picks it only where it applies, and a group's ``model``/``scale`` fields work.
 
 Shapes come from a small fixed catalog of layouts: each new layout is an XLA compile.
 """
@@ -76,18 +78,23 @@ def _grads(layout: tuple[tuple[int, ...], ...], seed: int, scale: float) -> list
     return [torch.randn(s, generator=gen) * scale for s in layout]
 
 
-def _make(kind: str, cfg: dict[str, Any], lr: Any) -> mpfunc.Optimizer:
+def _make(kind: str, cfg: dict[str, Any], lr: Any, impl: str = "foreach") -> mpfunc.Optimizer:
+    if kind == "lion":
+        return mpfunc.lion(
+            lr=lr, betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"],
+            maximize=cfg["maximize"], impl=impl,  # type: ignore[arg-type]
+        )  # fmt: skip
     if kind == "sgd":
         return mpfunc.sgd(
             lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
             weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], impl="foreach",
+            maximize=cfg["maximize"], impl=impl,  # type: ignore[arg-type]
         )  # fmt: skip
     make = mpfunc.adamw if cfg["decoupled"] else mpfunc.adam
     return make(
         lr=lr, betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
         weight_decay=cfg["weight_decay"], amsgrad=cfg["amsgrad"], maximize=cfg["maximize"],
-        impl="foreach",
+        impl=impl,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -103,6 +110,13 @@ def _kernel_step(
     grad_scale: Any = None,
 ) -> None:
     P = list(masters.values())
+    if kind == "lion":
+        K.lion_xla_(
+            P, grads, _leaves(state.exp_avg), _leaves(state.step), lr=lr, beta1=cfg["beta1"],
+            beta2=cfg["beta2"], weight_decay=cfg["weight_decay"], maximize=cfg["maximize"],
+            found_inf=skip, model_params=low, grad_scale=grad_scale,
+        )  # fmt: skip
+        return
     if kind == "sgd":
         K.sgd_xla_(
             P, grads, _leaves(state.momentum_buffer) if cfg["momentum"] else None,
@@ -145,6 +159,16 @@ def sgd_cfgs(draw: st.DrawFn) -> dict[str, Any]:
         "weight_decay": draw(st.sampled_from([0.0, 0.1])),
         "maximize": draw(st.booleans()),
     }
+
+
+lion_cfgs = st.fixed_dictionaries(
+    {
+        "beta1": st.sampled_from([0.0, 0.9]),
+        "beta2": st.sampled_from([0.99, 0.5]),
+        "weight_decay": st.sampled_from([0.0, 0.1]),
+        "maximize": st.booleans(),
+    }
+)
 
 
 runs = st.fixed_dictionaries(
@@ -220,6 +244,14 @@ def test_sgd_matches_foreach(
     xla_device: torch.device, cfg: dict[str, Any], run: dict[str, Any]
 ) -> None:
     assert _same_as_foreach("sgd", cfg, run, xla_device) >= IDENTICAL
+
+
+@settings(max_examples=15)
+@given(cfg=lion_cfgs, run=runs)
+def test_lion_matches_foreach(
+    xla_device: torch.device, cfg: dict[str, Any], run: dict[str, Any]
+) -> None:
+    assert _same_as_foreach("lion", cfg, run, xla_device) >= IDENTICAL
 
 
 def _torch_opt(kind: str, cfg: dict[str, Any], params: list[torch.Tensor], lr: float) -> Any:
@@ -311,9 +343,10 @@ def test_sgd_within_bound_of_torch_optim(
 
 @settings(max_examples=15)
 @given(
-    kind=st.sampled_from(["adam", "sgd"]),
+    kind=st.sampled_from(["adam", "sgd", "lion"]),
     adam=adam_cfgs,
     sgd=sgd_cfgs(),
+    lion=lion_cfgs,
     run=runs,
     low_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     loss_scale=st.sampled_from([None, 1024.0, "tensor"]),
@@ -323,6 +356,7 @@ def test_mixed_low_grads_and_params(
     kind: str,
     adam: dict[str, Any],
     sgd: dict[str, Any],
+    lion: dict[str, Any],
     run: dict[str, Any],
     low_dtype: torch.dtype,
     loss_scale: Any,
@@ -330,10 +364,10 @@ def test_mixed_low_grads_and_params(
     """Low-precision grads widened (and unscaled) inside, low-precision params written by
     the node: the foreach path fed ``grads_to_fp32(grads, scale=)``, within the bound; the
     params are the masters rounded to nearest even."""
-    dev, cfg = xla_device, adam if kind == "adam" else sgd
+    dev, cfg = xla_device, {"adam": adam, "sgd": sgd, "lion": lion}[kind]
     scale = torch.tensor(512.0, device=dev) if loss_scale == "tensor" else loss_scale
     ref, mine = _init(run["layout"], run["seed"], dev), _init(run["layout"], run["seed"], dev)
-    low = [torch.full(p.shape, 7.0, dtype=low_dtype, device=dev) for p in mine.values()]
+    low = [p.to(low_dtype) for p in mine.values()]  # as init_master's caller has them
     opt0 = _make(kind, cfg, run["lr"])
     state_ref, state = opt0.init(ref), opt0.init(mine)
     peaks = [0.0] * len(low)
@@ -358,14 +392,15 @@ def _peaks(tree: Any) -> list[float]:
 
 
 def test_skip_keeps_every_bit(xla_device: torch.device) -> None:
-    """found_inf true (bool, or a nonzero/NaN float): masters, moments and step counts keep
-    their bits; the model params still receive the (unchanged) masters, rounded."""
+    """found_inf true (bool, or a nonzero/NaN float): masters, moments, step counts and the
+    model params keep their bits (as ``apply_update_(params=)`` promises)."""
     dev, layout = xla_device, LAYOUTS[1]
     adam = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
     adam |= {"decoupled": True, "amsgrad": True, "maximize": False}
     sgd = {"momentum": 0.9, "dampening": 0.3, "nesterov": False, "weight_decay": 0.1}
     sgd |= {"maximize": True}
-    for kind, cfg in (("adam", adam), ("sgd", sgd)):
+    lion = {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "maximize": False}
+    for kind, cfg in (("adam", adam), ("sgd", sgd), ("lion", lion)):
         masters = _init(layout, 0, dev)
         state = _make(kind, cfg, 0.1).init(masters)
         _kernel_step(
@@ -373,13 +408,14 @@ def test_skip_keeps_every_bit(xla_device: torch.device) -> None:
         )
         before = _host(_leaves(masters) + _leaves(state))
         for flag in (torch.tensor(True), torch.tensor(1.0), torch.tensor(float("nan"))):
-            low = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in layout]
+            # Model params that are not the masters rounded: a skip must keep them as they are.
+            low = [torch.full(s, 3.0, dtype=torch.bfloat16, device=dev) for s in layout]
             grads = [g.to(dev) for g in _grads(layout, 2, 1.0)]
             _kernel_step(kind, cfg, masters, state, grads, 0.1, flag.to(dev), low)
             after = _host(_leaves(masters) + _leaves(state))
             for x, y in zip(before, after):
                 assert torch.equal(_bits(x), _bits(y)), (kind, flag)
-            _assert_bits(low, [m.to(torch.bfloat16) for m in masters.values()], "model_params")
+            _assert_bits(low, [torch.full(s, 3.0, dtype=torch.bfloat16) for s in layout], "model")
         # found_inf false (float 0) steps.
         _kernel_step(kind, cfg, masters, state, grads, 0.1, torch.tensor(0.0, device=dev))
         assert all(float(s) == 2.0 for s in _host(_leaves(state.step)))
@@ -696,3 +732,74 @@ def test_sgd_needs_buffers_with_momentum(xla_device: torch.device) -> None:
             lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
             maximize=False,
         )  # fmt: skip
+
+
+# --- wired in: the "xla" kernel of adam/adamw, sgd and lion ------------------------------------
+
+WIRED = {
+    "adamw": lambda impl: mpfunc.adamw(lr=1e-2, weight_decay=0.1, amsgrad=True, impl=impl),
+    "adam": lambda impl: mpfunc.adam(lr=1e-2, weight_decay=0.1, maximize=True, impl=impl),
+    "sgd": lambda impl: mpfunc.sgd(lr=0.1, momentum=0.9, dampening=0.1, impl=impl),
+    "lion": lambda impl: mpfunc.lion(lr=1e-3, weight_decay=0.1, impl=impl),
+}
+
+
+def _plan(opt: mpfunc.Optimizer, masters: Any, grads: Any, skip: Any = None) -> list[Any]:
+    from mpfunc._apply_update import _check
+
+    return opt.plan(_check("apply_update_", masters, grads, opt, skip), opt.init(masters), "f")
+
+
+@pytest.mark.parametrize("name", sorted(WIRED))
+def test_auto_picks_the_xla_kernel_for_fp32_masters(xla_device: torch.device, name: str) -> None:
+    """``auto`` on XLA: fp32 masters take the one-node kernel, fp64 masters the foreach
+    path; ``impl="xla"`` refuses an fp64 master (naming it) and a CPU master."""
+    dev = xla_device
+    masters = {
+        "a": torch.zeros(3, device=dev),
+        "b": torch.zeros(2, device=dev, dtype=torch.float64),
+    }
+    grads = {k: torch.ones_like(v) for k, v in masters.items()}
+    work = _plan(WIRED[name]("auto"), masters, grads)
+    kinds = sorted((w.kernel.__name__, w.group.params[0].dtype) for w in work)
+    assert kinds == [("_foreach", torch.float64), ("_xla", torch.float32)]
+    with pytest.raises(ValueError, match=r"at 'masters\.b': impl='xla': expected a float32"):
+        _plan(WIRED[name]("xla"), masters, grads)
+    cpu = {"a": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"at 'masters\.a': impl='xla'.*got torch.float32"):
+        _plan(WIRED[name]("xla"), cpu, {"a": torch.ones(3)})
+    assert [w.kernel.__name__ for w in _plan(WIRED[name]("auto"), cpu, {"a": torch.ones(3)})] != [
+        "_xla"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(WIRED))
+def test_group_model_and_scale(xla_device: torch.device, name: str) -> None:
+    """The kernel contract's optional fields: a group carrying bf16 grads, ``scale`` and
+    ``model`` gives, in one node, the foreach path fed ``grads_to_fp32(grads, scale=)``
+    (within the bound) and writes ``model`` as the masters rounded (bit for bit), with
+    ``skip`` honoured."""
+    dev, layout = xla_device, LAYOUTS[1]
+    ref, mine = _init(layout, 3, dev), _init(layout, 3, dev)
+    state_ref = WIRED[name]("foreach").init(ref)
+    state = WIRED[name]("xla").init(mine)
+    low = {k: torch.zeros(v.shape, dtype=torch.bfloat16, device=dev) for k, v in mine.items()}
+    scale = torch.tensor(256.0, device=dev)
+    for t, skipped in enumerate([False, True, False]):
+        grads = {k: (g * 256).bfloat16().to(dev) for k, g in zip(mine, _grads(layout, 10 + t, 1.0))}
+        skip = torch.tensor(skipped, device=dev)
+        g32 = mpfunc.grads_to_fp32(grads, scale=scale)
+        mpfunc.apply_update_(ref, g32, state_ref, WIRED[name]("foreach"), skip=skip)
+        _sync()
+        opt = WIRED[name]("xla")
+        from mpfunc._apply_update import _check
+
+        step = _check("f", mine, g32, opt, skip)
+        (work,) = opt.plan(step, state, "f")
+        g = work.group._replace(grads=list(grads.values()), model=list(low.values()), scale=scale)
+        with torch.no_grad():
+            work.kernel(g, work.hyper)
+        _sync()
+    _check_bound(_leaves(mine), _host(_leaves(ref)), _peaks(ref), "masters")
+    _check_bound(_leaves(state), _host(_leaves(state_ref)), _peaks(state_ref), "state")
+    _assert_bits(list(low.values()), [m.to(torch.bfloat16) for m in mine.values()], "model")

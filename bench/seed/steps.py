@@ -5,6 +5,7 @@ The flat-buffer and per-tensor recipes are baselines: they live here, never in m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,25 @@ from bench.common.model_config import ModelConfig
 from bench.seed.config import BETAS, EPS, FUSED, LR, MODES, WEIGHT_DECAY, recipe
 
 Step = Callable[[], torch.Tensor]
+
+
+class UpdateClock:
+    """Host seconds of the last step's update: from the end of backward to the end of the
+    optimizer's work (grad copies or casts, the optimizer step, params written back). On
+    XLA this is the update's share of the trace. One mode runs per worker process."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self._t0
+
+
+UPDATE = UpdateClock()
 
 
 def _torch_adamw(params: list[torch.Tensor], torch_optim: str) -> torch.optim.Optimizer:
@@ -91,7 +111,9 @@ def make_step(
         def step() -> torch.Tensor:
             loss = fp32_loss(model(tokens), targets)
             loss.backward()
+            UPDATE.start()
             opt.step()
+            UPDATE.stop()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
@@ -105,7 +127,9 @@ def make_step(
                 logits = model(tokens)
             loss = fp32_loss(logits, targets)
             loss.backward()
+            UPDATE.start()
             opt.step()
+            UPDATE.stop()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
@@ -138,7 +162,9 @@ def _syncfree_step(
     def step() -> torch.Tensor:
         loss = fp32_loss(model(tokens), targets)
         loss.backward()
+        UPDATE.start()
         opt.step(found_inf=found_inf)
+        UPDATE.stop()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -168,6 +194,7 @@ def _flat_step(
     def step() -> torch.Tensor:
         loss = fp32_loss(model(tokens), targets)
         loss.backward()
+        UPDATE.start()
         assert flat_param.grad is not None
         flat_param.grad.data.zero_()  # as the report's zero_grad did
         offset = 0
@@ -181,6 +208,7 @@ def _flat_step(
         for p in low_params:
             p.data.copy_(flat_param.data[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        UPDATE.stop()
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -206,6 +234,7 @@ def _pertensor_step(
     def step() -> torch.Tensor:
         loss = fp32_loss(model(tokens), targets)
         loss.backward()
+        UPDATE.start()
         with torch.no_grad():
             for p, m in zip(low_params, masters):
                 assert p.grad is not None and m.grad is not None
@@ -214,6 +243,7 @@ def _pertensor_step(
         with torch.no_grad():
             for p, m in zip(low_params, masters):
                 p.copy_(m)
+        UPDATE.stop()
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -221,23 +251,23 @@ def _pertensor_step(
 
 
 def _mpfunc_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Step, str]:
-    # The library's in-place twins on its default (fastest) path.
+    # The library's single pass on its default (fastest) path: bf16 grads in, the masters,
+    # moments and bf16 params written in one call (one XLA computation on XLA).
     import mpfunc
 
     params = dict(model.named_parameters())
     masters = mpfunc.init_master(params, dtype=torch.float32)
-    grads32 = mpfunc.init_master(params)  # preallocated fp32 grad buffers
     mopt = mpfunc.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    carry = [masters, mopt.init(masters)]
+    state = mopt.init(masters)
 
     def step() -> torch.Tensor:
         loss = fp32_loss(model(tokens), targets)
         loss.backward()
+        UPDATE.start()
         grads = {name: p.grad for name, p in params.items()}
-        g32 = mpfunc.grads_to_fp32_(grads, grads32)
-        carry[0], carry[1] = mpfunc.apply_update_(carry[0], g32, carry[1], mopt)
-        mpfunc.masters_to_model_(carry[0], params)
+        mpfunc.apply_update_(masters, grads, state, mopt, params=params)
+        UPDATE.stop()
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step, "mpfunc.adamw (impl auto)"
+    return step, "mpfunc.adamw (impl auto, params=)"

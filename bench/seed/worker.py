@@ -13,8 +13,10 @@ If the device cannot be opened, the first reply says so with ``"init_failed": tr
 Each step is timed in two parts: *trace*, from the step's start until just before it is
 ended (``torch_xla.sync()`` on XLA: the Python work of building the lazy graph, which on
 a real TPU is most of a host-bound step), and *sync*, the ``end_step`` call itself (on
-XLA: lowering, hashing and launching the graph). The block's time, device synced at both
-ends, gives the step time; whatever of it is not trace is the execute time.
+XLA: lowering, hashing and launching the graph). Within the trace, *update* is the
+optimizer's part (``steps.UPDATE``: after backward, to the params written back). The
+block's time, device synced at both ends, gives the step time; whatever of it is not
+trace is the execute time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch._dynamo
 
 from bench.common.device import Device
 from bench.common.model_config import ModelConfig
-from bench.seed.steps import make_step
+from bench.seed.steps import UPDATE, make_step
 
 
 def _live_cpu_tensor_bytes() -> int:
@@ -93,10 +95,12 @@ class Worker:
         self.mode = mode
         self.step: Callable[[], torch.Tensor] | None = None
 
-    def _steps(self, n: int) -> tuple[list[float], list[float], torch.Tensor]:
-        """Runs ``n`` steps; returns each one's trace and sync seconds, and the last loss."""
+    def _steps(self, n: int) -> tuple[list[float], list[float], list[float], torch.Tensor]:
+        """Runs ``n`` steps; returns each one's trace, update and sync seconds (the update:
+        the host time of its optimizer part, ``steps.UPDATE``), and the last loss."""
         assert self.step is not None
         trace: list[float] = []
+        update: list[float] = []
         sync: list[float] = []
         loss = torch.zeros(())
         for _ in range(n):
@@ -106,7 +110,8 @@ class Worker:
             self.dev.end_step()
             sync.append(time.perf_counter() - t1)
             trace.append(t1 - t0)
-        return trace, sync, loss
+            update.append(UPDATE.seconds)
+        return trace, update, sync, loss
 
     def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -126,7 +131,7 @@ class Worker:
         for _ in range(msg["warmup"]):
             c0 = self.dev.counters()
             t = time.perf_counter()
-            _, _, loss = self._steps(1)
+            _, _, _, loss = self._steps(1)
             self.dev.wait()
             warm_s.append(time.perf_counter() - t)
             warm_compiles.append(self.dev.counters().get("compiles", 0) - c0.get("compiles", 0))
@@ -149,7 +154,7 @@ class Worker:
         self.dev.wait()
         c0 = self.dev.counters()
         t0 = time.perf_counter()
-        trace, sync, loss = self._steps(steps)
+        trace, update, sync, loss = self._steps(steps)
         self.dev.wait()
         seconds = time.perf_counter() - t0
         c1 = self.dev.counters()
@@ -157,6 +162,7 @@ class Worker:
         return {
             "step_s": seconds / steps,
             "trace_s": trace,
+            "update_s": update,
             "sync_s": sync,
             "host_s": [a + b for a, b in zip(trace, sync)],
             "counters": {k: c1[k] - c0[k] for k in c1},
