@@ -6,7 +6,10 @@ AdamW, loss in fp32. A mode is a recipe and an optimizer implementation:
 - ``fp32``, ``bf16``: the model in that dtype, ``torch.optim.AdamW`` on its parameters;
 - ``flat``: the original report's recipe, a bf16 model and one flat fp32 master buffer;
 - ``pertensor``: the report's fix, one fp32 master per bf16 tensor, ``torch.optim.AdamW``;
-- ``mpfunc``: a bf16 model with fp32 masters through mpfunc's in-place transforms;
+- ``mpfunc``: a bf16 model with fp32 masters through mpfunc's single-pass ``apply_update_``;
+- ``mpfunc-remainder``, ``mpfunc-kahan``, ``mpfunc-stochastic``: the same with a master
+  strategy, and the state dtype its memory target goes with (``STRATEGY_MODES``): the
+  peak-memory row per strategy;
 - ``autocast``: an fp32 model under ``torch.autocast`` to bf16;
 - ``syncfree`` (XLA only): an fp32 model with ``torch_xla.amp.syncfree.AdamW``, the
   optimizer a torch_xla user would pick (one fused op per tensor);
@@ -18,7 +21,15 @@ from __future__ import annotations
 
 from bench.common.model_config import ModelConfig
 
-BASE_MODES = ("fp32", "bf16", "flat", "pertensor", "mpfunc", "autocast", "syncfree")
+# mpfunc with a master strategy: (strategy, state dtype name or None for fp32 moments).
+STRATEGY_MODES = {
+    "mpfunc-remainder": ("remainder", None),
+    "mpfunc-kahan": ("kahan", "bfloat16"),
+    "mpfunc-stochastic": ("stochastic", "uint8"),
+}
+BASE_MODES = (
+    "fp32", "bf16", "flat", "pertensor", "mpfunc", *STRATEGY_MODES, "autocast", "syncfree",
+)  # fmt: skip
 # Recipes that run torch.optim.AdamW, and so get a fused twin on the devices that have one.
 TORCH_OPTIM_MODES = ("fp32", "bf16", "flat", "pertensor", "autocast")
 FUSED = "-fused"
@@ -60,5 +71,8 @@ def runs_on(mode: str, device: str) -> bool:
 
 
 def recipe(mode: str) -> str:
-    """The recipe of a mode: ``"pertensor"`` for ``"pertensor-fused"``."""
+    """The recipe of a mode: ``"pertensor"`` for ``"pertensor-fused"``, ``"mpfunc"`` for
+    ``"mpfunc-remainder"``."""
+    if mode in STRATEGY_MODES:
+        return "mpfunc"
     return mode[: -len(FUSED)] if mode.endswith(FUSED) else mode

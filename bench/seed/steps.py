@@ -13,7 +13,16 @@ from torch import nn
 
 from bench.common.model import Model, fp32_loss
 from bench.common.model_config import ModelConfig
-from bench.seed.config import BETAS, EPS, FUSED, LR, MODES, WEIGHT_DECAY, recipe
+from bench.seed.config import (
+    BETAS,
+    EPS,
+    FUSED,
+    LR,
+    MODES,
+    STRATEGY_MODES,
+    WEIGHT_DECAY,
+    recipe,
+)
 
 Step = Callable[[], torch.Tensor]
 
@@ -143,7 +152,7 @@ def make_step(
         return _flat_step(model, low_params, tokens, targets, device, torch_optim), torch_name
     if kind == "pertensor":
         return _pertensor_step(model, low_params, tokens, targets, torch_optim), torch_name
-    return _mpfunc_step(model, tokens, targets)
+    return _mpfunc_step(model, tokens, targets, mode)
 
 
 def _syncfree_step(
@@ -250,14 +259,21 @@ def _pertensor_step(
     return step
 
 
-def _mpfunc_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Step, str]:
+def _mpfunc_step(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, mode: str = "mpfunc"
+) -> tuple[Step, str]:
     # The library's single pass on its default (fastest) path: bf16 grads in, the masters,
-    # moments and bf16 params written in one call (one XLA computation on XLA).
+    # moments and bf16 params written in one call (one XLA computation on XLA). With a
+    # strategy mode, the masters and moments are kept as that strategy and dtype say.
     import mpfunc
 
+    strategy, state_name = STRATEGY_MODES.get(mode, ("fp32", None))
+    state_dtype = None if state_name is None else getattr(torch, state_name)
     params = dict(model.named_parameters())
-    masters = mpfunc.init_master(params, dtype=torch.float32)
-    mopt = mpfunc.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    masters = mpfunc.init_master(params, strategy=strategy)
+    mopt = mpfunc.adamw(
+        lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, state_dtype=state_dtype
+    )
     state = mopt.init(masters)
 
     def step() -> torch.Tensor:
@@ -270,4 +286,6 @@ def _mpfunc_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) 
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
+    if mode in STRATEGY_MODES:
+        return step, f"mpfunc.adamw (strategy={strategy!r}, state_dtype={state_name}, params=)"
     return step, "mpfunc.adamw (impl auto, params=)"

@@ -52,8 +52,10 @@ OPTS = {
     "adamw-bf16": lambda: mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.bfloat16),
     # 8-bit moments need whole 32-element blocks: small biases keep fp32 moments.
     "adamw-uint8": lambda: mpfunc.partition(
-        {"q": mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.uint8),
-         "f": mpfunc.adamw(lr=1e-2, weight_decay=1e-2)},
+        {
+            "q": mpfunc.adamw(lr=1e-2, weight_decay=1e-2, state_dtype=torch.uint8),
+            "f": mpfunc.adamw(lr=1e-2, weight_decay=1e-2),
+        },
         lambda path, p: "q" if p.numel() >= 32 else "f",
     ),
 }
