@@ -36,6 +36,7 @@ from mpfunc import (
     _tree,
 )
 from mpfunc._checks import LR, Like, LRArg, Side
+from mpfunc._compile import compiling
 from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
 __all__ = [
@@ -321,7 +322,7 @@ def _state_fields(
 def tensor_sides(side: Side) -> list[Side]:
     """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
     one per unit field, each keeping the unit's path."""
-    width = max((len(x) for x in side.leaves if isinstance(x, tuple)), default=0)
+    width = max([0, *(len(x) for x in side.leaves if isinstance(x, tuple))])
     if width == 0:
         return [side]
     out = []
@@ -427,6 +428,10 @@ def _plan_elementwise(
         raise ValueError(
             f"{fn}: impl='fused': {rule.name} has no fused kernel; use 'auto' or 'foreach'"
         )
+    # torch's fused kernels have no functional form for torch.compile (no fake kernel for a
+    # tensor lr; functionalization refuses the float-lr one): when traced, the foreach
+    # chain runs instead, and inductor fuses it into loops of its own.
+    traced = compiling()
     keys: list[tuple[object, ...] | None] = []
     for i, (m, g) in enumerate(zip(masters, grads)):
         if m is None or g is None:
@@ -457,6 +462,7 @@ def _plan_elementwise(
         if (
             impl in ("auto", "fused")
             and has_fused
+            and not traced
             and fused_supported(f.device, compute)
             and all(isinstance(x, torch.Tensor) for x in stored)
             and _same_layout(tensors)
