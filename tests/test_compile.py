@@ -203,3 +203,31 @@ def test_checks_run_when_traced() -> None:
     after = optree.tree_leaves((loop.masters, loop.state, loop.params))
     for a, b in zip(optree.tree_leaves(before), after, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_loop_with_loss_scaling_clipping_and_skip_traces_whole() -> None:
+    """Dynamo alone: the three in-place transforms with a dynamic loss scale, clipping,
+    a skip flag and stats, fullgraph (so with no graph break anywhere in them)."""
+    loop = Loop(lambda: mpfunc.adamw(lr=torch.tensor(1e-3)))
+    out = mpfunc.init_grads(loop.params)
+    stats = mpfunc.init_stats(loop.masters)
+    box = [mpfunc.DynamicLossScale()]
+
+    def step(grads: Any) -> torch.Tensor:
+        g32 = mpfunc.grads_to_fp32_(grads, out, scale=box[0])
+        finite = mpfunc.all_finite(g32)
+        g32, norm = mpfunc.clip_by_global_norm_(g32, 1.0)
+        mpfunc.apply_update_(loop.masters, g32, loop.state, loop.opt, ~finite, stats=stats)
+        mpfunc.masters_to_model_(loop.masters, loop.params)
+        box[0] = box[0].adjust(finite)
+        return norm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    compiled(_grads(loop, 0))
+    bad = {**_grads(loop, 1), "0.bias": torch.full((16,), float("inf"), dtype=torch.bfloat16)}
+    before = copy.deepcopy(loop.masters)
+    compiled(bad)  # skipped on the device: masters keep their bits, the scale backs off
+    for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(loop.masters), strict=True):
+        assert torch.equal(a, b)
+    assert float(box[0].loss_scale) == 2.0**15
