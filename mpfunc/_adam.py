@@ -240,6 +240,8 @@ def adam(
       impl: ``"auto"`` (fused kernels on CPU/CUDA where layouts allow, foreach
         elsewhere), ``"fused"`` (falls back to foreach, leaf by leaf, where a leaf's
         tensors differ in layout), ``"foreach"`` or ``"reference"`` (a per-tensor loop).
+        Under ``torch.compile``, ``"auto"`` and ``"fused"`` trace the foreach chain, which
+        inductor fuses (torch's fused kernels have no functional form to compile).
       state_dtype: how moments are stored: ``None`` (like the master), ``torch.float32``,
         ``torch.bfloat16`` (computed in fp32, stored rounded) or ``torch.uint8``
         (blockwise 8-bit, 2.125 bytes per element for two moments with scales).
