@@ -264,7 +264,9 @@ def adam(
         computation per group on XLA for fp32 masters, foreach elsewhere), ``"fused"``
         (falls back to foreach, leaf by leaf, where a leaf's tensors differ in layout),
         ``"xla"`` (XLA devices and fp32 masters only), ``"foreach"`` or ``"reference"``
-        (a per-tensor loop).
+        (a per-tensor loop). Under ``torch.compile``, ``"auto"`` and ``"fused"`` trace the
+        foreach chain, which inductor fuses (torch's fused kernels, mpfunc's native and XLA
+        kernels have no functional form to compile).
       state_dtype: how moments are stored: ``None`` (like the master), ``torch.float32``,
         ``torch.bfloat16`` (computed in fp32, stored rounded) or ``torch.uint8``
         (blockwise 8-bit, 2.125 bytes per element for two moments with scales).

@@ -19,6 +19,7 @@ import torch
 
 from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _sharding, _strategy, _tree
 from mpfunc._checks import Like
+from mpfunc._compile import compiling
 from mpfunc._diagnostics import UpdateStats
 from mpfunc._loss_scale import ScaleArg
 from mpfunc._optimizer import Optimizer, Step, Work
@@ -104,9 +105,12 @@ def _check(
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """One tensor, or two views of the same elements (``p`` and ``p.detach()``)."""
+    """One tensor, or two views of the same elements (``p`` and ``p.detach()``). Under
+    ``torch.compile``, where storages cannot be traced, only the one tensor."""
     if a is b:
         return True
+    if compiling():
+        return False
     return (
         a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
         and a.stride() == b.stride() and a.untyped_storage()._cdata == b.untyped_storage()._cdata

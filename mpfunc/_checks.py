@@ -24,6 +24,7 @@ import torch
 from optree import PyTreeSpec
 
 from mpfunc import _dtensor, _tree
+from mpfunc._compile import compiling
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -85,10 +86,8 @@ def fail(
     cls: type[Exception], fn: str, path: str, expected: str, got: str, hint: str = ""
 ) -> NoReturn:
     """Raises ``cls`` with mpfunc's message form: where, what was expected, what arrived."""
-    msg = f"{fn}: at {path!r}: expected {expected}, got {got}"
-    if hint:
-        msg += f". {hint}"
-    raise cls(msg)
+    # One f-string: dynamo (torch.compile) traces it, and would stop at a "+=" on it.
+    raise cls(f"{fn}: at {path!r}: expected {expected}, got {got}{'. ' if hint else ''}{hint}")
 
 
 # --- scalars ------------------------------------------------------------------------------
@@ -238,7 +237,7 @@ def check_same_structure(
     hint: str = "",
 ) -> None:
     """Raises ``ValueError`` if two trees differ in structure, naming the first differing path."""
-    if spec_a == spec_b:
+    if _tree.same_structure(spec_a, spec_b):
         return
     where = _first_difference(a, b, name_a, name_b)
     extra = f". {hint}" if hint else ""
@@ -540,10 +539,20 @@ def _no_address(t: torch.Tensor) -> bool:
     return bool(t.is_xla) or t.is_meta  # type: ignore[attr-defined]
 
 
-def _root(t: torch.Tensor) -> int:
+def _root(t: torch.Tensor) -> object:
     """Without addresses (XLA), what a tensor's memory is: its storage, the same object for
     views, ``.detach()`` and ``.data``. Two slices of one tensor count as sharing it, even
-    where they do not overlap."""
+    where they do not overlap.
+
+    Under ``torch.compile``, dynamo traces neither addresses nor storages: the root is the
+    tensor object itself (hashed by identity; ``id(t)`` would make dynamo guard the id and
+    recompile for every new grad). One tensor passed twice is caught, and dynamo guards
+    that (it retraces when two inputs become one object). Views, ``.detach()`` and
+    ``.data`` of one another are not seen: a view's ``_base`` would refuse the
+    non-overlapping slices of one flat buffer that eager accepts, and dynamo guards no
+    aliasing between distinct input tensors anyway (see ``check_no_alias``)."""
+    if compiling():
+        return t
     return int(t.untyped_storage()._cdata)
 
 
@@ -559,14 +568,22 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
     sort of nearly sorted addresses; only when some ranges overlap does the exact sweep
     run, which tells a harmless overlap of two read-only leaves from one that a write
     would break.
+
+    Under ``torch.compile`` this runs while dynamo traces, by tensor identity (``_root``),
+    since addresses cannot be traced: one tensor under two names is refused, and dynamo
+    retraces (re-checking) whenever two inputs become one object. Distinct tensors that
+    share memory (views) pass: torch.compile does not guard that between its inputs.
     """
     sides = (*written, *read)
     # A DTensor's memory is its local shard's (the wrapper's data_ptr() is 0).
     tensors = _dtensor.locals_([t for side in sides for t in side.leaves if t is not None])
-    lazy = [_root(t) for t in tensors if _no_address(t)]
+    traced = compiling()
+    lazy = [_root(t) for t in tensors if traced or _no_address(t)]
     if lazy:
-        if len(set(lazy)) != len(lazy):
+        if len(dict.fromkeys(lazy)) != len(lazy):
             _sweep(fn, written, read)
+        if traced:
+            return
         tensors = [t for t in tensors if not _no_address(t)]
     spans = sorted(sp for sp in map(_span, tensors) if sp[1] > sp[0])
     reach = -1
@@ -581,14 +598,15 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
 def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
     """The exact check, on the rare path: raises for the first overlap involving a write."""
     spans: list[tuple[int, int, int, int, bool]] = []  # start, end, side, leaf, written
-    ids: dict[int, tuple[int, int, bool]] = {}
+    ids: dict[object, tuple[int, int, bool]] = {}
     sides = (*written, *read)
+    traced = compiling()
     for s, side in enumerate(sides):
         is_written = s < len(written)
         for i, t in enumerate(_dtensor.locals_(side.leaves)):
             if t is None or t.numel() == 0:
                 continue
-            if _no_address(t):
+            if traced or _no_address(t):
                 prev = ids.setdefault(_root(t), (s, i, is_written))
                 if prev != (s, i, is_written) and (prev[2] or is_written):
                     _alias(fn, sides, prev[:2], (s, i))

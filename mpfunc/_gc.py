@@ -18,17 +18,11 @@ import gc
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-import torch
+from mpfunc._compile import compiling
 
 __all__ = ["without_gc"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    is_compiling = getattr(compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
 
 
 def without_gc(fn: _F) -> _F:
@@ -36,7 +30,7 @@ def without_gc(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _compiling() or not gc.isenabled():
+        if compiling() or not gc.isenabled():
             return fn(*args, **kwargs)
         gc.disable()
         try:

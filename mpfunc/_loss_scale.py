@@ -90,7 +90,10 @@ def _replace(state: _S, /, **fields: Any) -> _S:
     set them (``dataclasses.replace`` would call ``__init__``, which takes GradScaler's
     arguments, not the fields)."""
     new = object.__new__(type(state))
-    new.__dict__.update(state.__dict__, **fields)
+    # Field by field through object.__setattr__ (the class is frozen): dynamo traces this
+    # under torch.compile, and not an update of ``__dict__``.
+    for f in dataclasses.fields(state):  # type: ignore[arg-type]
+        object.__setattr__(new, f.name, fields.get(f.name, getattr(state, f.name)))
     return new
 
 

@@ -49,6 +49,7 @@ from mpfunc import (
     _tree,
 )
 from mpfunc._checks import LR, Like, LRArg, Side
+from mpfunc._compile import compiling
 from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
 __all__ = [
@@ -393,7 +394,7 @@ def _state_fields(
 def tensor_sides(side: Side) -> list[Side]:
     """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
     one per unit field, each keeping the unit's path."""
-    width = max((len(x) for x in side.leaves if isinstance(x, tuple)), default=0)
+    width = max([0, *(len(x) for x in side.leaves if isinstance(x, tuple))])
     if width == 0:
         return [side]
     out = []
@@ -513,6 +514,10 @@ def _plan_elementwise(
         raise ValueError(
             f"{fn}: impl='xla': {rule.name} has no XLA kernel; use 'auto' or 'foreach'"
         )
+    # torch's fused kernels have no functional form for torch.compile (no fake kernel for a
+    # tensor lr; functionalization refuses the float-lr one): when traced, the foreach
+    # chain runs instead, and inductor fuses it into loops of its own.
+    traced = compiling()
     keys: list[tuple[object, ...] | None] = []
     for i, (m, g) in enumerate(zip(masters, grads)):
         if m is None or g is None:
@@ -526,6 +531,7 @@ def _plan_elementwise(
         if (
             impl in ("auto", "xla")
             and has_xla
+            and not traced
             and s is None
             and step.stats is None
             and xla_applies(f, stored)
@@ -560,6 +566,7 @@ def _plan_elementwise(
         if (
             impl == "auto"
             and plain
+            and not traced  # (an extension op with no fake kernel)
             and step.stats is None  # the native kernel keeps no old values to compare
             and _native_fits(rule, m, g, stored, param)
             and _native.available()
@@ -576,6 +583,7 @@ def _plan_elementwise(
         if (
             impl in ("auto", "fused")
             and has_fused
+            and not traced
             and fused_supported(f.device, compute)
             and all(isinstance(x, torch.Tensor) for x in stored)
             and _same_layout(tensors)

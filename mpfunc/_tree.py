@@ -13,17 +13,21 @@ The rules, fixed in one place:
 * A leaf's path is its keys joined with dots, ``"layers.0.weight"``, the form
   that ``model.named_parameters()`` uses. Paths are built only for error
   messages, so the hot path never pays for them.
+* Under ``torch.compile`` the same walk runs in Python, one level at a time
+  through optree's own registry (``tree_flatten_one_level``): dynamo cannot trace
+  optree's C++ flatten, but traces this, with the same leaf order and structure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
-from optree import PyTreeSpec
+
+from mpfunc._compile import compiling
 
 __all__ = [
     "NAMESPACE",
@@ -34,6 +38,7 @@ __all__ = [
     "map_tensors",
     "register_dataclass",
     "register_unit",
+    "same_structure",
     "unflatten",
 ]
 
@@ -45,6 +50,9 @@ NAMESPACE = "mpfunc"
 
 def map_tensors(fn: Any, tree: Any) -> Any:
     """Applies ``fn`` to every tensor leaf; other leaves (``None``) are kept."""
+    if compiling():
+        leaves, spec = flatten(tree)
+        return unflatten(spec, [fn(t) if isinstance(t, torch.Tensor) else t for t in leaves])
     return optree.tree_map(
         lambda t: fn(t) if isinstance(t, torch.Tensor) else t,
         tree,
@@ -72,19 +80,112 @@ def _is_unit(x: Any) -> bool:
     return isinstance(x, _UNITS)
 
 
-def flatten(tree: Any, *, units: bool = False) -> tuple[list[Any], PyTreeSpec]:
+def flatten(tree: Any, *, units: bool = False) -> tuple[list[Any], Any]:
     """Flattens ``tree`` into its leaves (``None`` included) and its spec. With ``units``,
-    each registered unit (``register_unit``) is one leaf instead of its tensors."""
-    if units and _UNITS:
-        return optree.tree_flatten(
-            tree, is_leaf=_is_unit, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
-        )
-    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
+    each registered unit (``register_unit``) is one leaf instead of its tensors.
+
+    The spec is optree's ``PyTreeSpec``; under ``torch.compile``, a ``TracedSpec`` of the
+    same structure (compare specs with ``same_structure``, rebuild with ``unflatten``)."""
+    is_leaf = _is_unit if units and _UNITS else None
+    if compiling():
+        leaves: list[Any] = []
+        return leaves, _walk(tree, is_leaf, leaves)
+    return optree.tree_flatten(
+        tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
+    )
 
 
-def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
+def unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
     """Rebuilds a tree of ``spec``'s shape from ``leaves``."""
+    if isinstance(spec, TracedSpec):
+        return spec.unflatten(list(leaves))
     return optree.tree_unflatten(spec, leaves)
+
+
+def same_structure(a: Any, b: Any) -> bool:
+    """Whether two specs from ``flatten`` describe one structure."""
+    if isinstance(a, TracedSpec) and isinstance(b, TracedSpec):
+        return a.same(b)
+    return bool(a == b)
+
+
+class TracedSpec(NamedTuple):
+    """A tree's structure as ``flatten`` sees it under ``torch.compile``: what optree's
+    ``PyTreeSpec`` holds, in plain Python objects that dynamo folds into constants.
+
+    ``type`` is ``None`` for a leaf. ``keys`` are the children's keys (dict keys in
+    optree's sorted order, NamedTuple field names, list indices). ``type``,
+    ``entries()``, ``children()`` and ``num_leaves`` read as a ``PyTreeSpec``'s.
+    """
+
+    type: Any
+    metadata: Any
+    keys: tuple[Any, ...]
+    kids: tuple[TracedSpec, ...]
+    unflatten_func: Any
+    num_leaves: int
+
+    def entries(self) -> list[Any]:
+        return list(self.keys)
+
+    def __str__(self) -> str:
+        # As PyTreeSpec prints: the tree with a * for each leaf.
+        return f"PyTreeSpec({self.unflatten([_STAR] * self.num_leaves)!r}, NoneIsLeaf)"
+
+    def children(self) -> list[TracedSpec]:
+        return list(self.kids)
+
+    def same(self, other: TracedSpec) -> bool:
+        # As PyTreeSpec's ==: node types, keys (dict metadata is its keys) and the
+        # metadata of other nodes (a NamedTuple's class, a dataclass's static fields).
+        if self.type is not other.type or self.keys != other.keys:
+            return False
+        # A dict's metadata is its keys, compared above (not their insertion order).
+        other_meta = self.type is not None and not isinstance(self.metadata, list)
+        if other_meta and self.metadata != other.metadata:
+            return False
+        if len(self.kids) != len(other.kids):
+            return False
+        return all(a.same(b) for a, b in zip(self.kids, other.kids))
+
+    def unflatten(self, leaves: list[Any]) -> Any:
+        if self.type is None:
+            return leaves[0]
+        subtrees, start = [], 0
+        for child in self.kids:
+            subtrees.append(child.unflatten(leaves[start : start + child.num_leaves]))
+            start += child.num_leaves
+        return self.unflatten_func(self.metadata, subtrees)
+
+
+_LEAF = TracedSpec(None, None, (), (), None, 1)
+
+
+class _Star:
+    def __repr__(self) -> str:
+        return "*"
+
+
+_STAR = _Star()
+
+
+def _walk(node: Any, is_leaf: Any, leaves: list[Any]) -> TracedSpec:
+    """The Python flatten: depth first, as optree's C++ walk, through optree's registry."""
+    if node is None or isinstance(node, torch.Tensor) or (is_leaf is not None and is_leaf(node)):
+        leaves.append(node)
+        return _LEAF
+    if optree.register_pytree_node.get(type(node), namespace=NAMESPACE) is None:
+        leaves.append(node)  # not a node: an opaque leaf, as optree keeps it
+        return _LEAF
+    one = optree.tree_flatten_one_level(
+        node, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
+    )
+    entries = tuple(one.entries)
+    if optree.is_namedtuple_instance(node):
+        entries = tuple(optree.namedtuple_fields(node))  # fields by name, as in paths
+    children = tuple(_walk(c, is_leaf, leaves) for c in one.children)
+    count = sum(c.num_leaves for c in children)
+    return TracedSpec(type(node), one.metadata, entries, children, one.unflatten_func, count)
 
 
 def _format_key(key: Any) -> str:
@@ -101,10 +202,22 @@ def _entry_name(entry: Any) -> Any:
 
 def _paths(tree: Any, units: bool = False) -> list[tuple[Any, ...]]:
     is_leaf = _is_unit if units and _UNITS else None
+    if compiling():
+        out: list[tuple[Any, ...]] = []
+        _spec_paths(_walk(tree, is_leaf, []), (), out)
+        return out
     accessors = optree.tree_accessors(
         tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
     )
     return [tuple(_entry_name(e) for e in acc) for acc in accessors]
+
+
+def _spec_paths(spec: TracedSpec, prefix: tuple[Any, ...], out: list[tuple[Any, ...]]) -> None:
+    if spec.type is None:
+        out.append(prefix)
+        return
+    for key, child in zip(spec.keys, spec.kids):
+        _spec_paths(child, (*prefix, key), out)
 
 
 def format_path(path: Sequence[Any]) -> str:
