@@ -709,6 +709,8 @@ def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side]
         leaves, spec = _tree.flatten(tree)
         sides.append(Side(name, tree, leaves))
         specs.append(spec)
+    if compiling():  # dynamo re-traces (and so re-checks) on any change; no addresses there
+        return Memo(sides, specs, None, False)
     try:
         key: Hashable | None = (
             tag, tuple(specs),

@@ -27,8 +27,9 @@ def _check_grads(fn: str, grads: Any) -> tuple[_checks.Side, Any]:
 
 
 def _check_grad_leaves(fn: str, side: _checks.Side) -> None:
-    """Every leaf is ``None`` or a dense floating-point tensor."""
+    """Every leaf is ``None`` or a dense floating-point tensor, not tracked by torch.func."""
     _checks.check_dense(fn, side)
+    _checks.check_not_differentiated(fn, side)
     for i, g in enumerate(side.leaves):
         if g is not None and g.dtype not in _checks.FLOAT_DTYPES:
             _checks.fail(TypeError, fn, side.path(i), _FLOATING, _checks.describe(g), _HINT)

@@ -578,7 +578,10 @@ def _plan_elementwise(
             continue
         # A grad narrower than the step is upcast into a temporary laid out like the master
         # (_run_mixed), so only a full-precision grad's own layout counts.
-        tensors = [t for t in (f, g if g.dtype == compute else None, *stored) if t is not None]
+        # A unit's values are loaded into temporaries: dense in the param's layout where
+        # the param is dense, contiguous where it is not (empty_like's preserve_format).
+        lay = f if plain or _dense(f) else torch.empty(f.shape, device="meta")
+        tensors = [t for t in (lay, g if g.dtype == compute else None, *stored) if t is not None]
         chosen = "foreach" if impl == "auto" else impl
         if (
             impl in ("auto", "fused")
