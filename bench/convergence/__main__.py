@@ -61,7 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--render-only",
         action="store_true",
-        help="rewrite the table and plot from --out's convergence.json; train nothing",
+        help="re-summarize --out's convergence.json and rewrite it, the table and the plot; "
+        "train nothing",
     )
     p.add_argument(
         "--rows", default=",".join(DEFAULT_ROWS), help=f"comma list of {', '.join(ROWS)}"
@@ -74,7 +75,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def render(result: dict[str, Any], out: Path) -> None:
-    """Writes the Markdown table and the PNG from a result (fresh, or read back from JSON)."""
+    """Summarizes a result (fresh, or read back from JSON) over its seeds and writes the
+    JSON, the Markdown table and the PNG."""
+    result["summary"] = report.summarize(result)
+    result["targets"] = report.targets(result)
+    write_json(out / "convergence.json", result)
     (out / "convergence.md").write_text(report.markdown(result))
     report.plot(result, out / "convergence.png")
 
@@ -92,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render_only:
         render(read_json(args.out / "convergence.json"), args.out)
-        print(f"rewrote {args.out}/convergence.md and .png", file=sys.stderr)
+        print(f"rewrote {args.out}/convergence.json, .md and .png", file=sys.stderr)
         return 0
     preset = "smoke" if args.smoke else "default"
     cfg = dict(PRESETS[preset])
@@ -151,10 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pretrained": pretrained,
         "runs": runs,
     }
-    result["summary"] = report.summarize(result)
-    result["targets"] = report.targets(result)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "convergence.json", result)
     render(result, args.out)
     log(f"wrote {args.out}/convergence.md, .json, .png in {result['meta']['wall_s']:.0f} s")
     return 0

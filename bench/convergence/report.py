@@ -35,6 +35,12 @@ def _identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> int | None:
+    """The first step whose train loss differs (its forward saw other params), else None."""
+    pairs = enumerate(zip(a["train_loss"], b["train_loss"]))
+    return next((i for i, (x, y) in pairs if x != y), None)
+
+
 def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One entry per row: its measurements over the seeds that finished."""
     by = _runs_by(result)
@@ -81,6 +87,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
                     if "error" not in same_as.get(s, {"error": 1})
                 ]
                 entry["identical_to"] = bool(pairs) and all(_identical(a, b) for a, b in pairs)
+                entry["first_difference"] = [_first_difference(a, b) for a, b in pairs]
         out.append(entry)
     return out
 
@@ -101,6 +108,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         checks = [round(e["bytes_per_param"], 2) <= max_bytes]
         if max_gap is None:
             t["identical_to"] = e.get("identical_to")
+            t["first_difference"] = e.get("first_difference")
             checks.append(bool(e.get("identical_to")))
         else:
             t["gap_mean"], t["gap_max"] = e["gap_mean"], e["gap_max"]
@@ -180,6 +188,9 @@ def markdown(result: dict[str, Any]) -> str:
             got = t["why"]
         elif t["max_gap"] is None:
             got = f"{t['bytes_per_param']:.2f} B/param, bit-identical: {t['identical_to']}"
+            if not t["identical_to"] and t.get("first_difference"):
+                steps = ", ".join(str(i) for i in t["first_difference"])
+                got += f" (the train loss first differs at step {steps}, seed by seed)"
         else:
             got = (
                 f"{t['bytes_per_param']:.2f} B/param, gap {_pct(t['gap_mean'])} "
@@ -201,7 +212,9 @@ def markdown(result: dict[str, Any]) -> str:
         "rows); *lost*, the value the next step starts from (fp32 master, param plus "
         "remainder or compensation, or the param itself) did not change either, so the "
         "update is gone (fp32's own row gives the floor: updates below fp32's "
-        "resolution, or zero); *update/weight "
+        "resolution, or zero; with `stochastic` an unmoved param is that step's draw, "
+        "and the rounding is unbiased, so lost updates come back on average); "
+        "*update/weight "
         "RMS*: rms(update) / rms(weight) over all elements. Step times leave out the "
         "diagnostic steps; they are wall-clock times on a machine shared with other "
         "work, not a speed comparison (that is `bench.seed`'s job).",
@@ -226,6 +239,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     by = _runs_by(result)
     summary = {e["row"]: e for e in result["summary"]}
+    labels: dict[tuple[float, float], list[str]] = {}
     fig, (ax_v, ax_g, ax_s) = plt.subplots(1, 3, figsize=(18, 5.2), constrained_layout=True)
     for row in result["rows"]:
         runs = [r for r in by.get(row["name"], {}).values() if "error" not in r]
@@ -245,8 +259,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
             err = [[mid - 100 * e["gap_min"]], [100 * e["gap_max"] - mid]]
             ax_g.errorbar(e["bytes_per_param"], mid, yerr=err, fmt="o", color=st["color"],
                           ms=5, capsize=3)  # fmt: skip
-            ax_g.annotate(row["name"], (e["bytes_per_param"], mid), fontsize=7,
-                          xytext=(4, 2), textcoords="offset points")  # fmt: skip
+            # Rows that land on one spot share one label, a name per line.
+            spot = (round(e["bytes_per_param"], 1), round(mid, 1))
+            labels.setdefault(spot, []).append(row["name"])
+    for (x, y), names in labels.items():
+        ax_g.annotate("\n".join(names), (x, y), fontsize=7, xytext=(4, 2),
+                      textcoords="offset points")  # fmt: skip
     ax_g.axhline(0, color="k", lw=0.8)
     ax_v.set(xlabel="fine-tuning step", ylabel="validation loss (mean over seeds)",
              title="held-out validation loss while fine-tuning")  # fmt: skip
