@@ -23,7 +23,9 @@ from mpfunc._checkpoint import (
     load_,
     load_state_dict,
     load_state_dict_,
+    masters_from_remainders,
     masters_state_dict,
+    remainders_state_dict,
     save,
     state_dict,
 )
@@ -43,7 +45,9 @@ from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
 from mpfunc._init_master import init_master
 from mpfunc._lion import LionState, lion
 from mpfunc._loss_scale import DynamicLossScale, StaticLossScale
+from mpfunc._master_optimizer import MasterOptimizer
 from mpfunc._masters_to_model import masters_to_model, masters_to_model_
+from mpfunc._migrate import from_torch_optim, frozen
 from mpfunc._optimizer import Optimizer
 from mpfunc._partition import partition
 from mpfunc._policy import Policy
@@ -65,6 +69,7 @@ __all__ = [
     "DynamicLossScale",
     "KahanMaster",
     "LionState",
+    "MasterOptimizer",
     "Optimizer",
     "Policy",
     "QState",
@@ -87,6 +92,8 @@ __all__ = [
     "broadcast_params_",
     "clip_by_global_norm",
     "clip_by_global_norm_",
+    "from_torch_optim",
+    "frozen",
     "grads_to_fp32",
     "grads_to_fp32_",
     "init_grads",
@@ -97,11 +104,13 @@ __all__ = [
     "load_",
     "load_state_dict",
     "load_state_dict_",
+    "masters_from_remainders",
     "masters_state_dict",
     "masters_to_model",
     "masters_to_model_",
     "partition",
     "reduce_grads_to_owners",
+    "remainders_state_dict",
     "save",
     "sgd",
     "shard",

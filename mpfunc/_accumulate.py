@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _plan, _tree
+from mpfunc import _checks, _dtensor, _gc, _plan, _tree
 from mpfunc._checks import Like, Side
 from mpfunc._init_master import check_params, master_dtype_for
 
@@ -66,6 +66,7 @@ def _check(fn: str, acc: Any, grads: Any, in_place: bool) -> tuple[Side, Side, A
 def _add_(acc: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     # acc += grad, computed in the accumulator's precision: the low-precision grad is
     # upcast exactly, so only the fp32 addition rounds. Elements pair by index.
+    acc, grads = _dtensor.locals_(acc), _dtensor.locals_(grads)
     keys: list[tuple[object, ...] | None] = [
         (a.device, a.dtype, g.dtype) for a, g in zip(acc, grads)
     ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _loss_scale, _plan, _strategy, _tree
+from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _strategy, _tree
 from mpfunc._checks import Like
 from mpfunc._diagnostics import UpdateStats
 from mpfunc._loss_scale import ScaleArg
@@ -117,7 +117,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _run(work: list[Work]) -> None:
     with torch.no_grad():
         for w in work:
-            w.kernel(w.group, w.hyper)
+            # DTensor leaves (FSDP2): the kernels run on the local shards.
+            w.kernel(_dtensor.local_group(w.group), w.hyper)
 
 
 def _copy(tree: Any) -> Any:
@@ -164,8 +165,10 @@ def apply_update(
     # The copies are planned (checked) and written; the inputs are only read. A bad
     # state raises from the plan with the same paths, before any kernel runs.
     new_masters, new_state = _copy(masters), _copy(state)
-    m = step.masters._replace(tree=new_masters, leaves=_tree.flatten(new_masters)[0])
-    _run(opt.plan(step._replace(masters=m), new_state, fn))
+    leaves = _tree.flatten(new_masters, units=True)[0]
+    m = step.masters._replace(tree=new_masters, leaves=leaves)
+    faces = [_strategy.face(x) for x in leaves]
+    _run(opt.plan(step._replace(masters=m, faces=faces), new_state, fn))
     return new_masters, new_state
 
 

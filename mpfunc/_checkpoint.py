@@ -45,7 +45,8 @@ from typing import IO, Any, Union, cast
 
 import torch
 
-from mpfunc import _checks, _tree
+from mpfunc import _checks, _remainder, _strategy, _tree
+from mpfunc._strategy_remainder import RemainderMaster
 
 try:  # advisory locks mark a temporary file as in use; POSIX only
     import fcntl
@@ -57,7 +58,9 @@ __all__ = [
     "load_",
     "load_state_dict",
     "load_state_dict_",
+    "masters_from_remainders",
     "masters_state_dict",
+    "remainders_state_dict",
     "save",
     "state_dict",
 ]
@@ -370,15 +373,130 @@ def _tied(
     return []
 
 
-def masters_state_dict(masters: Any) -> dict[str, torch.Tensor]:
+def masters_state_dict(
+    masters: Any, model: torch.nn.Module | None = None
+) -> dict[str, torch.Tensor]:
     """The fp32 masters as a plain CPU ``state_dict`` for an fp32 copy of the model.
 
     With masters made from ``dict(model.named_parameters())`` the keys are the
     parameter names, so ``fp32_model.load_state_dict(sd, strict=False)`` takes them
     (``strict=False`` because buffers are not masters). The masters are never
-    trapped in mpfunc's format.
+    trapped in mpfunc's format. Every strategy exports its exact fp32 master: a
+    ``RemainderMaster`` its joined 32 bits, a ``KahanMaster`` param + compensation, the
+    others their param widened to fp32.
+
+    With ``model`` (the module to load into), every key is matched against
+    ``model.state_dict()`` first, because ``strict=False`` silently skips a key it does
+    not know: a ``torch.compile``d module's ``_orig_mod.`` prefix is added (or dropped,
+    for masters named after a compiled module) where that finds the entry, and a master
+    that matches no entry of its shape raises ``ValueError`` naming it.
+
+    Example::
+
+      fp32_model.load_state_dict(mpfunc.masters_state_dict(masters, fp32_model), strict=False)
     """
-    return {k: v.detach().cpu().clone() for k, v in state_dict(masters).items()}
+    side, _ = _strategy.master_leaves("masters_state_dict", "masters", masters)
+    keys = _tree.leaf_paths(masters, units=True)
+    sd: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, leaf in zip(keys, side.leaves):
+            if leaf is None:
+                continue
+            s = _strategy.by_unit(leaf)
+            value = leaf if s is None else s.export(leaf)
+            sd[key] = value.detach().cpu().clone()
+    if model is None:
+        return sd
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"masters_state_dict: model: expected None or a torch.nn.Module, got "
+            f"{_checks.describe(model)}"
+        )
+    return _keys_of(model, sd)
+
+
+_COMPILED = "_orig_mod."  # torch.compile's OptimizedModule keeps the module under this name
+
+
+def _keys_of(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` keyed as ``model.state_dict()`` keys its entries, or a ``ValueError``."""
+    target = model.state_dict()
+    by_name = {k.replace(_COMPILED, ""): k for k in target}
+    out: dict[str, torch.Tensor] = {}
+    problems = []
+    for key, value in sd.items():
+        name = by_name.get(key.replace(_COMPILED, ""))
+        if name is None:
+            problems.append(f"{key!r} (no such entry)")
+        elif target[name].shape != value.shape:
+            problems.append(
+                f"{key!r} (shape {tuple(value.shape)}, the model's {name!r} has "
+                f"{tuple(target[name].shape)})"
+            )
+        else:
+            out[name] = value
+    if problems:
+        sample = ", ".join(repr(k) for k in list(target)[:3]) or "none"
+        raise ValueError(
+            f"masters_state_dict: expected every master to name an entry of the model's "
+            f"state_dict, got {len(problems)} that do not: {', '.join(problems[:10])}"
+            f"{' ...' if len(problems) > 10 else ''}. The model's keys look like {sample}: were "
+            f"the masters made from this model's named_parameters()?"
+        )
+    return out
+
+
+def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
+    """The int16 remainders of ``"remainder"`` masters as a CPU ``state_dict``: the small
+    sidecar that makes a model's own bf16 ``state_dict`` a lossless fp32 checkpoint.
+
+    Save it beside ``model.state_dict()``; ``masters_from_remainders`` rebuilds the exact
+    fp32 masters from the two (keys are the parameter names).
+    """
+    side, _ = _strategy.master_leaves("remainders_state_dict", "masters", masters)
+    keys = _tree.leaf_paths(masters, units=True)
+    return {
+        k: leaf.remainder.detach().cpu().clone()
+        for k, leaf in zip(keys, side.leaves)
+        if isinstance(leaf, RemainderMaster)
+    }
+
+
+def masters_from_remainders(
+    params: Mapping[str, torch.Tensor], remainders: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The exact fp32 masters held by a bf16 ``state_dict`` and its remainder sidecar.
+
+    Args:
+      params: ``{name: bf16 tensor}``, e.g. ``model.state_dict()`` or a file of it.
+      remainders: ``{name: int16 tensor}`` from ``remainders_state_dict``; every key must
+        be in ``params``.
+
+    Returns:
+      ``{name: fp32 tensor}`` for every key of ``remainders``, bit-identical to the
+      masters that were saved (``masters_state_dict``).
+
+    Raises:
+      KeyError: a remainder has no param. TypeError, ValueError: dtypes or shapes differ.
+    """
+    fn = "masters_from_remainders"
+    missing = sorted(set(remainders) - set(params))
+    if missing:
+        raise KeyError(f"{fn}: remainders {missing[:5]} have no param of the same name")
+    out = {}
+    for k, r in remainders.items():
+        p = params[k]
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.bfloat16:
+            raise TypeError(
+                f"{fn}: {k!r}: expected a torch.bfloat16 param, got {_checks.describe(p)}"
+            )
+        if not isinstance(r, torch.Tensor) or r.dtype != torch.int16 or r.shape != p.shape:
+            raise ValueError(
+                f"{fn}: {k!r}: expected a torch.int16 remainder of shape {tuple(p.shape)}, got "
+                f"{_checks.describe(r)}"
+            )
+        out[k] = _remainder.join(p.detach().cpu(), r.detach().cpu())
+    return out
 
 
 # --- checksums ------------------------------------------------------------------------------

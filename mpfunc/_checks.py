@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, NoReturn, Union
 import torch
 from optree import PyTreeSpec
 
-from mpfunc import _tree
+from mpfunc import _dtensor, _tree
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -33,6 +33,7 @@ __all__ = [
     "check_dense",
     "check_leaf_dtypes",
     "check_no_alias",
+    "check_not_differentiated",
     "check_pairs",
     "check_same_structure",
     "check_tensor_or_none",
@@ -186,7 +187,34 @@ def _first_difference(a: Any, b: Any, name_a: str, name_b: str) -> str:
     for p in pb:
         if p not in set_a:
             return f"{p!r} is in {name_b} but not in {name_a}"
-    return "the leaf paths match but the container types differ"
+    where = _container_difference(_tree.flatten(a)[1], _tree.flatten(b)[1], ())
+    if where is None:  # pragma: no cover - equal paths and node types: another difference
+        return "the leaf paths match but the container types differ"
+    path, ta, tb = where
+    return (
+        f"the leaf paths match but the containers differ: at {_tree.format_path(path)!r} "
+        f"{name_a} holds {_a(ta.__qualname__)} and {name_b} {_a(tb.__qualname__)} (mpfunc's trees "
+        f"tell container types apart, as optree does: build both the same way, e.g. "
+        f"dict(model.named_parameters()), or dict(...) around an OrderedDict such as "
+        f"model.state_dict())"
+    )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _container_difference(
+    a: PyTreeSpec, b: PyTreeSpec, path: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], type, type] | None:
+    """The first node, by path, where two specs with equal leaf paths differ in type."""
+    if a.type is not b.type:
+        return path, a.type or type(None), b.type or type(None)
+    for key, ca, cb in zip(a.entries(), a.children(), b.children()):
+        found = _container_difference(ca, cb, (*path, key))
+        if found is not None:
+            return found
+    return None
 
 
 def _short(spec: PyTreeSpec, limit: int = 200) -> str:
@@ -298,7 +326,35 @@ def tensor_leaves(fn: str, name: str, tree: Any) -> tuple[Side, PyTreeSpec]:
     leaves, spec = _tree.flatten(tree)
     side = Side(name, tree, leaves)
     check_dense(fn, side)
+    check_not_differentiated(fn, side)
     return side, spec
+
+
+def _func_transform_active() -> bool:
+    """Whether a torch.func transform (grad, vjp, jacrev, vmap...) is running."""
+    functorch = getattr(torch._C, "_functorch", None)
+    level = getattr(functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
+def check_not_differentiated(fn: str, side: Side) -> None:
+    """Refuses tensors that a torch.func transform is differentiating. mpfunc's results are
+    detached, so ``torch.func.grad`` through a transform would return all-zero grads
+    with no error (and such wrappers have no memory for the alias checks to read, even
+    under ``no_grad``). Eager autograd cannot be fooled the same way: a loss built from
+    detached results has no ``grad_fn``, and ``.backward()`` raises."""
+    if not _func_transform_active():
+        return
+    tracked = torch._C._functorch.is_gradtrackingtensor
+    for i, t in enumerate(side.leaves):
+        if t is not None and tracked(t):
+            fail(
+                TypeError, fn, side.path(i), "a tensor that no torch.func transform tracks",
+                "a tensor being differentiated by torch.func.grad/vjp/jacrev",
+                "mpfunc's transforms are not differentiable (their results are detached, so "
+                "the gradient through them would be all zeros): differentiate the loss with "
+                "respect to the model's params, and call mpfunc outside the transform",
+            )  # fmt: skip
 
 
 def check_dense(fn: str, side: Side) -> None:
@@ -367,8 +423,22 @@ def check_pairs(fn: str, ref: Side, other: Side, like: Like) -> None:
         ):
             break
     else:
+        if not like.scalar and _dtensor.dtensor_type() is not None:
+            _check_sharding(fn, ref, other, like)
         return
     _explain_pairs(fn, ref, other, like)
+
+
+def _check_sharding(fn: str, ref: Side, other: Side, like: Like) -> None:
+    """DTensor leaves pair with DTensors of one mesh and placement (local shards of one
+    shape), plain tensors with plain tensors: elementwise work runs on local shards."""
+    cls = _dtensor.dtensor_type()
+    for i, (r, o) in enumerate(zip(ref.leaves, other.leaves)):
+        if isinstance(r, cls) or isinstance(o, cls):  # a plain pair needs no more reads
+            expected = _dtensor.same_sharding(r, o)
+            if expected is not None:
+                fail(ValueError, fn, other.path(i), f"{expected} ({like.role} sharding)",
+                     _dtensor.describe_sharding(o))  # fmt: skip
 
 
 def _explain_pairs(fn: str, ref: Side, other: Side, like: Like) -> NoReturn:
@@ -440,7 +510,7 @@ def check_writable(fn: str, sides: Sequence[Side]) -> None:
     """Tensors mpfunc writes must not overlap themselves: writing an expanded (stride-0)
     tensor element by element would store several results in one place."""
     for side in sides:
-        for i, t in enumerate(side.leaves):
+        for i, t in enumerate(_dtensor.locals_(side.leaves)):
             if t is not None and _overlaps_itself(t):
                 fail(
                     ValueError, fn, side.path(i),
@@ -486,7 +556,8 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
     would break.
     """
     sides = (*written, *read)
-    tensors = [t for side in sides for t in side.leaves if t is not None]
+    # A DTensor's memory is its local shard's (the wrapper's data_ptr() is 0).
+    tensors = _dtensor.locals_([t for side in sides for t in side.leaves if t is not None])
     lazy = [_root(t) for t in tensors if _no_address(t)]
     if lazy:
         if len(set(lazy)) != len(lazy):
@@ -509,7 +580,7 @@ def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
     sides = (*written, *read)
     for s, side in enumerate(sides):
         is_written = s < len(written)
-        for i, t in enumerate(side.leaves):
+        for i, t in enumerate(_dtensor.locals_(side.leaves)):
             if t is None or t.numel() == 0:
                 continue
             if _no_address(t):

@@ -7,7 +7,7 @@ from typing import Any, Union
 
 import torch
 
-from mpfunc import _checks, _gc, _plan, _tree
+from mpfunc import _checks, _dtensor, _gc, _plan, _tree
 
 __all__ = ["clip_by_global_norm", "clip_by_global_norm_"]
 
@@ -47,12 +47,16 @@ def _norm_and_coef(
     computed as torch.nn.utils.clip_grad_norm_ computes them: per-(device, dtype)
     ``_foreach_norm``, then the norm of the stacked norms, all on the device."""
     keys: list[tuple[object, ...] | None] = [
-        None if g is None else (g.device, g.dtype) for g in leaves
+        None if g is None else (g.device, g.dtype, _dtensor.sharding_key(g)) for g in leaves
     ]
     groups = _plan.group_indices(keys)
     norms: list[torch.Tensor] = []
-    for idx in groups.values():
-        norms.extend(torch._foreach_norm([leaves[i] for i in idx], 2.0))
+    for (_, _, sharded), idx in groups.items():
+        group_norms = torch._foreach_norm([leaves[i] for i in idx], 2.0)
+        if sharded is None:
+            norms.extend(group_norms)
+        else:  # DTensors: the group's norm, reduced across the mesh, as a plain tensor
+            norms.append(_dtensor.full(torch.linalg.vector_norm(torch.stack(group_norms), 2.0)))
     if not norms:
         total = torch.zeros((), dtype=torch.float32)
     else:
@@ -92,11 +96,12 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
     with torch.no_grad():
         total, groups, coef = _norm_and_coef(leaves, max_norm)
         out: list[Any] = list(leaves)
-        for (device, _), idx in groups.items():
+        for (device, _, _), idx in groups.items():
             assert isinstance(device, torch.device)
-            scaled = torch._foreach_mul([leaves[i] for i in idx], coef.to(device))
-            for i, t in zip(idx, scaled):
-                out[i] = t
+            group = [leaves[i] for i in idx]
+            scaled = torch._foreach_mul(_dtensor.locals_(group), coef.to(device))
+            for i, g, t in zip(idx, group, scaled):
+                out[i] = _dtensor.wrap_like(g, t)
     return _tree.unflatten(spec, out), total
 
 
@@ -113,7 +118,7 @@ def clip_by_global_norm_(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any,
     leaves, _, max_norm = _checked("clip_by_global_norm_", g32, max_norm)
     with torch.no_grad():
         total, groups, coef = _norm_and_coef(leaves, max_norm)
-        for (device, _), idx in groups.items():
+        for (device, _, _), idx in groups.items():
             assert isinstance(device, torch.device)
-            torch._foreach_mul_([leaves[i] for i in idx], coef.to(device))
+            torch._foreach_mul_(_dtensor.locals_([leaves[i] for i in idx]), coef.to(device))
     return g32, total

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _plan
+from mpfunc import _checks, _dtensor, _gc, _plan
 
 __all__ = ["all_finite"]
 
@@ -41,11 +41,13 @@ def all_finite(tree: Any) -> torch.Tensor:
     """
     leaves = _checks.tensor_leaves("all_finite", "tree", tree)[0].leaves
     keys: list[tuple[object, ...] | None] = [
-        (t.device, t.dtype) if t is not None and t.is_floating_point() and t.numel() else None
+        (t.device, t.dtype, _dtensor.sharding_key(t))
+        if t is not None and t.is_floating_point() and t.numel()
+        else None
         for t in leaves
     ]
     flags: list[torch.Tensor] = []
-    for (device, _), idx in _plan.group_indices(keys).items():
+    for (device, _, _), idx in _plan.group_indices(keys).items():
         assert isinstance(device, torch.device)
         group = [leaves[i] for i in idx]
         if _plan.is_lazy(device):
@@ -62,6 +64,8 @@ def all_finite(tree: Any) -> torch.Tensor:
     if not flags:
         device = next((t.device for t in leaves if t is not None), torch.device("cpu"))
         return torch.ones((), dtype=torch.bool, device=device)
+    # DTensors: each flag reduced across the mesh, a plain tensor equal on every rank.
+    flags = [_dtensor.full(f) for f in flags]
     first = flags[0]
     for f in flags[1:]:
         first = first & f.to(first.device)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _loss_scale, _plan, _tree
+from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _tree
 from mpfunc._checks import Like
 from mpfunc._init_master import master_dtype_for
 from mpfunc._loss_scale import ScaleArg
@@ -32,6 +32,7 @@ def _unscale_(tensors: list[torch.Tensor], value: torch.Tensor | None) -> None:
     device, in the grads' precision (after the upcast, so nothing is lost)."""
     if value is None:
         return
+    tensors = _dtensor.locals_(tensors)
     keys: list[tuple[object, ...] | None] = [(t.device,) for t in tensors]
     for (device,), idx in _plan.group_indices(keys).items():
         assert isinstance(device, torch.device)

@@ -118,7 +118,7 @@ def init_master(
         masters = [
             None if s is None or p is None
             else fresh_copy(p, master_dtype_for(p, dtype)) if s.unit is None
-            else s.make(p.detach(), seed, i)
+            else s.make(p, seed, i)
             for i, (p, s) in enumerate(zip(side.leaves, kinds))
         ]  # fmt: skip
     return _tree.unflatten(spec, masters)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _plan, _tree
+from mpfunc import _checks, _gc, _plan, _strategy, _tree
 from mpfunc._checks import Like, Side
 
 __all__ = ["masters_to_model", "masters_to_model_"]
@@ -16,10 +16,12 @@ _PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
 
 
 def _check(fn: str, masters: Any, params: Any) -> tuple[Side, Side, Any]:
-    m, m_spec = _checks.tensor_leaves(fn, "masters", masters)
+    """Masters (a unit stands for its param: it holds the rounded master already) and
+    params, checked; returns the masters as the tensors to round from."""
+    m, m_spec = _strategy.master_leaves(fn, "masters", masters)
     p, p_spec = _checks.tensor_leaves(fn, "params", params)
     _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
-    _checks.check_leaf_dtypes(fn, m, _checks.MASTER_DTYPES, "a float32 or float64 master")
+    m = m._replace(leaves=[_strategy.face(x) for x in m.leaves])
     _checks.check_pairs(fn, m, p, _PARAMS)
     return m, p, p_spec
 
@@ -75,6 +77,8 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
     """
     fn = "masters_to_model_"
     m, p, _ = _check(fn, masters, params)
+    # A unit's param that IS the param was written by the step: nothing to copy.
+    m = m._replace(leaves=[None if t is q else t for t, q in zip(m.leaves, p.leaves)])
     written = p.where_present(m.leaves)
     _checks.check_writable(fn, [written])
     _checks.check_no_alias(fn, written=[written], read=[m])

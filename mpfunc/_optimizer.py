@@ -62,18 +62,21 @@ class Step(NamedTuple):
         """The same step over the leaves where ``keep`` is true (others become ``None``):
         what one sub-optimizer of a ``partition`` sees, its state named ``state_name``."""
 
-        def cut(xs: list[Any] | None) -> list[Any] | None:
-            return None if xs is None else [x if k else None for x, k in zip(xs, keep)]
+        def cut(xs: list[Any]) -> list[Any]:
+            return [x if k else None for x, k in zip(xs, keep)]
+
+        def maybe(xs: list[Any] | None) -> list[Any] | None:
+            return None if xs is None else cut(xs)
 
         m, g, p = self.masters, self.grads, self.model
         return self._replace(
             state_name=state_name,
             masters=m._replace(leaves=cut(m.leaves)),
             grads=g._replace(leaves=cut(g.leaves)),
-            faces=cut(self.faces),
-            kinds=cut(self.kinds),
+            faces=maybe(self.faces),
+            kinds=maybe(self.kinds),
             model=None if p is None else p._replace(leaves=cut(p.leaves)),
-            stats=cut(self.stats),
+            stats=maybe(self.stats),
         )
 
 

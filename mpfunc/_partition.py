@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mpfunc import _checks, _tree
+from mpfunc import _checks, _plan, _strategy, _tree
 from mpfunc._checks import Side
 from mpfunc._optimizer import Optimizer, Step, Work
 
@@ -61,15 +61,17 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
 
     def label_list(where: str, masters: Side, spec: Any) -> list[str | None]:
         if callable(labels):
-            key = (spec, tuple(None if m is None else (m.shape, m.dtype, m.device)
-                               for m in masters.leaves))  # fmt: skip
+            # A master kept by a strategy is labelled by its param (shape, dtype, device).
+            faces = [_strategy.face(m) for m in masters.leaves]
+            key = (spec, tuple(None if m is None else (m.shape, m.dtype, m.device, type(x))
+                               for m, x in zip(faces, masters.leaves)))  # fmt: skip
             if key in cache:
                 return cache[key]
-            paths = _tree.leaf_paths(masters.tree)
+            paths = _tree.leaf_paths(masters.tree, units=True)
             out: list[str | None] = [
-                None if m is None else labels(paths[i], m) for i, m in enumerate(masters.leaves)
+                None if m is None else labels(paths[i], m) for i, m in enumerate(faces)
             ]
-            named = Side("masters", masters.tree, out)
+            named = Side("masters", masters.tree, out, units=True)
         else:
             l_leaves, l_spec = _tree.flatten(labels)
             _checks.check_same_structure(
@@ -87,7 +89,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         return out
 
     def init(masters: Any) -> dict[str, Any]:
-        side, spec = _checks.tensor_leaves(f"{fn}.init", "masters", masters)
+        side, spec = _strategy.master_leaves(f"{fn}.init", "masters", masters)
         labs = label_list(f"{fn}.init", side, spec)
         return {
             name: opt.init(
@@ -114,8 +116,10 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
             work += opt.plan(sub, state[name], where)
         if functional:  # (a torch.optim state is no tree of tensors)
             # Each sub-plan checks aliasing among its own leaves; across labels too, once.
+            # Masters kept by a strategy other than "fp32" are units (param + buffers).
             everything, _ = _checks.tensor_leaves(where, "state", state)
-            _checks.check_no_alias(where, written=[step.masters, everything], read=[step.grads])
+            masters = _plan.tensor_sides(step.masters)
+            _checks.check_no_alias(where, written=[*masters, everything], read=[step.grads])
         return work
 
     return Optimizer(init=init, plan=plan, functional=functional, name=fn)

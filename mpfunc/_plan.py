@@ -26,7 +26,15 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _diagnostics, _state_format, _strategy, _strategy_fp32, _tree
+from mpfunc import (
+    _checks,
+    _diagnostics,
+    _dtensor,
+    _state_format,
+    _strategy,
+    _strategy_fp32,
+    _tree,
+)
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
@@ -162,6 +170,7 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     by index whatever the two layouts are. On XLA a same-dtype pair copies from a view,
     so that ``dst`` never shares ``src``'s device buffer (see ``fresh_copy``).
     """
+    dst, src = _dtensor.locals_(dst), _dtensor.locals_(src)  # DTensors: shard by shard
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
     with torch.no_grad():
         for (device, to, of), idx in group_indices(keys).items():
@@ -188,10 +197,35 @@ def _lr_on(lr: LRArg, device: torch.device, count: torch.Tensor, cache: dict[Any
         # A copy, so that a schedule returning the count itself is not moved by the
         # step's increment.
         value = lr(count.detach().clone())
+        if is_lazy(device) and not (isinstance(value, torch.Tensor) and value.device == device):
+            _warn_host_schedule(lr, value)
         if isinstance(value, torch.Tensor):
             return value.to(device=device, dtype=torch.float32)
         return float(value)
     return lr
+
+
+_WARNED: set[int] = set()  # ids of the schedules warned about (a reused id only stays quiet)
+
+
+def _warn_host_schedule(schedule: Any, value: object) -> None:
+    """Warns once per schedule that returns a host value for an XLA step count: it read the
+    count back (a host sync each step), or ignores it (each new value a graph constant)."""
+    if id(schedule) in _WARNED:
+        return
+    _WARNED.add(id(schedule))
+    import warnings
+
+    warnings.warn(
+        f"lr schedule {getattr(schedule, '__qualname__', type(schedule).__name__)} returned "
+        f"{_checks.describe(value)} for a step count on an XLA device: it reads the count "
+        "back to the host every step (math.*, min/max, float() or a branch on a tensor wait "
+        "for the device), or ignores it (then each new value compiles a new graph). Compute "
+        "the lr from the count with torch ops (torch.clamp, torch.cos, torch.where) so it "
+        "stays on the device, or pass a 0-d lr tensor and fill_() it.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
@@ -254,7 +288,7 @@ def _state_fields(
         if kind == "step":
             _checks.check_tensor_or_none(fn, where, value, leaves)
             _checks.check_pairs(fn, ref, side, _STEP)
-        elif state_dtype is None and step.kinds is None or not any(step.kinds or ()):
+        elif state_dtype != torch.uint8 and not any(step.kinds or ()):
             # Every master a tensor, moments like it: the one pair check.
             _checks.check_tensor_or_none(fn, where, value, leaves)
             _checks.check_pairs(
@@ -274,7 +308,8 @@ def _state_fields(
                     continue
                 if x is None:
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
-                compute = _compute_dtype(f, fp32[i] is None or fp32[i].unit is None)
+                k = fp32[i]
+                compute = _compute_dtype(f, k is None or k.unit is None)
                 want = _state_format.stored_dtype(compute, state_dtype)
                 why = _state_format.problem(kind, x, f, want)
                 if why is not None:
@@ -318,11 +353,20 @@ class Mixed(NamedTuple):
     stats: list[Any] | None
 
 
+def _upcast(g: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` in ``dtype``, laid out like ``like`` (the master's values), so that a fused
+    kernel pairs it by position; the copy pairs by index whatever ``g``'s layout."""
+    out = torch.empty_like(like, dtype=dtype, memory_format=torch.preserve_format)
+    return out.copy_(g)
+
+
 def _run_mixed(mx: Mixed, hyper: Any) -> None:
     """Load fp32 values (masters, grads upcast and unscaled, moments), run the kernel on
     them, store them back (strategy, state format, rounded params), in one chunk."""
     values = mx.strategy.load(mx.masters)
-    grads = [g if g.dtype == mx.compute else g.to(mx.compute) for g in mx.grads]
+    grads = [
+        g if g.dtype == mx.compute else _upcast(g, v, mx.compute) for g, v in zip(mx.grads, values)
+    ]
     if mx.scale is not None:
         # Out of place: the caller's grads are only read. Same bits as grads_to_fp32_'s
         # in-place division of its fp32 copies.
@@ -417,7 +461,9 @@ def _plan_elementwise(
                 f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {compute} on {f.device}. "
                 "Use impl='auto' or 'foreach'."
             )
-        tensors = [t for t in (f, g, *stored) if isinstance(t, torch.Tensor)]
+        # A grad narrower than the step is upcast into a temporary laid out like the master
+        # (_run_mixed), so only a full-precision grad's own layout counts.
+        tensors = [t for t in (f, g if g.dtype == compute else None, *stored) if t is not None]
         chosen = "foreach" if impl == "auto" else impl
         if (
             impl in ("auto", "fused")
@@ -440,9 +486,9 @@ def _plan_elementwise(
     work: list[Work] = []
     state_type: Any = rule.state_type
     for key, idx in group_indices(keys).items():
-        device, compute, kernel_name = key[0], key[1], key[2]
+        device, dtype, kernel_name = key[0], key[1], key[2]
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
-        assert isinstance(compute, torch.dtype)
+        assert isinstance(dtype, torch.dtype)
         if steps is not None:
             count = steps[idx[0]]
             assert count is not None
@@ -469,7 +515,7 @@ def _plan_elementwise(
                 kinds={n: k for n, k in kinds_of.items() if n in fields},
                 state_type=state_type,
                 model=None if model is None or model[run[0]] is None else pick(model, run),
-                lr=lr_d, skip=skip_d, scale=scale_d, compute=compute, salts=list(run),
+                lr=lr_d, skip=skip_d, scale=scale_d, compute=dtype, salts=list(run),
                 stats=None if step.stats is None else pick(step.stats, run),
             )  # fmt: skip
             work.append(Work(_run_mixed, mx, hyper))
@@ -505,6 +551,8 @@ def elementwise(
         side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
         faces = [_strategy.face(m) for m in side.leaves]
         plain = [_strategy.by_unit(m) is None for m in side.leaves]
+        if state_dtype == torch.uint8:
+            _state_format.check_quantizable(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)

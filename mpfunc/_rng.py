@@ -28,7 +28,8 @@ _M2 = -1028477387  # 0xC2B2AE35
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int32 values (torch's ``>>`` is arithmetic)."""
-    return torch.bitwise_right_shift(x, n).bitwise_and_((1 << (32 - n)) - 1)
+    # ``>>`` (not torch.bitwise_right_shift, which torch_xla 2.9 lowers in s64) then a mask.
+    return (x >> n).bitwise_and_((1 << (32 - n)) - 1)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,23 @@ def problem(
     return None
 
 
+def check_quantizable(fn: str, side: _checks.Side, faces: list[Any]) -> None:
+    """8-bit moments need at least one whole block per leaf: a smaller leaf (a 3-element
+    bias, a 0-d temperature) would spend a bf16 scale on a handful of bytes and round
+    its moments coarsely for no saving worth having. Such leaves get a clear error that
+    points to ``partition``."""
+    for i, f in enumerate(faces):
+        if f is not None and f.numel() < _quantize.BLOCK:
+            _checks.fail(
+                ValueError, fn, side.path(i),
+                f"a leaf of at least {_quantize.BLOCK} elements for state_dtype=torch.uint8",
+                f"{f.numel()} elements",
+                "Keep small leaves in fp32 state: mpfunc.partition({'big': mpfunc.adamw(..., "
+                "state_dtype=torch.uint8), 'small': mpfunc.adamw(...)}, labels) with labels "
+                "from a function such as lambda path, p: 'big' if p.numel() >= 4096 else 'small'",
+            )  # fmt: skip
+
+
 def load(xs: list[Any], compute: torch.dtype) -> list[torch.Tensor]:
     """Moments in ``compute`` dtype to run a kernel on: the stored tensors themselves when
     they already are (written in place), else fresh temporaries."""

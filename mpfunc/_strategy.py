@@ -162,6 +162,7 @@ def master_leaves(fn: str, name: str, tree: Any) -> tuple[_checks.Side, Any]:
         if type(leaf) in _BY_UNIT and unit_problem(leaf) is None:
             continue
         _explain(fn, side)
+    _checks.check_not_differentiated(fn, side._replace(leaves=[face(x) for x in leaves]))
     return side, spec
 
 

@@ -60,7 +60,9 @@ _lock = threading.Lock()
 def _xla_round(values: list[torch.Tensor], noise: list[torch.Tensor]) -> list[torch.Tensor]:
     """``round_stochastic`` of each pair as one XLA computation."""
     import torch_xla
-    import torch_xla.core.xla_builder as xb
+    import torch_xla.core.xla_builder
+
+    xb: Any = torch_xla.core.xla_builder
 
     shapes = tuple(tuple(v.shape) for v in values)
     with _lock:

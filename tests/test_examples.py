@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
-from types import ModuleType
 
 import pytest
 import torch
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from support.examples import EXAMPLES, load
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -11,9 +11,15 @@ WORKER = pathlib.Path(__file__).resolve().parent.parent / "workers" / "dp_worker
 
 
 def launch(
-    scenario: str, world: int, out: pathlib.Path, timeout: float = 120, **env: str
+    scenario: str,
+    world: int,
+    out: pathlib.Path,
+    timeout: float = 120,
+    worker: pathlib.Path = WORKER,
+    **env: str,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Runs WORLD ranks of SCENARIO; returns their results (never waits past TIMEOUT)."""
+    """Runs WORLD ranks of SCENARIO of WORKER (a script in tests/workers) and returns their
+    results, never waiting past TIMEOUT."""
     out.mkdir(parents=True, exist_ok=True)
     store = out / f"store-{scenario}-{world}"
     if store.exists():
@@ -21,7 +27,7 @@ def launch(
     full_env = dict(os.environ, MPFUNC_STORE=str(store), OMP_NUM_THREADS="1", **env)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(out)],
+            [sys.executable, str(worker), scenario, str(r), str(world), str(out)],
             env=full_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -448,7 +448,9 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] = SCENARIOS) -> None:
+    """Joins the group through the file store, runs the scenario named on the command
+    line (of ``scenarios``: other workers pass theirs), leaves the group."""
     name, rank, world, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     store = os.environ.get("MPFUNC_STORE", f"{out}/store")
     dist.init_process_group(
@@ -459,7 +461,7 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=20),
     )
     try:
-        SCENARIOS[name](rank, world, out)
+        scenarios[name](rank, world, out)
     finally:
         if name != "dead":
             dist.barrier()

@@ -1,0 +1,745 @@
+"""``MasterOptimizer`` against torch.optim: schedulers, groups, GradScaler, checkpoints,
+frozen params, and ``from_torch_optim``.
+
+The reference is torch.optim over fp32 copies of the bf16 params, fed the same grads
+upcast exactly. On CPU both sides run torch's fused AdamW kernel with the same float lr,
+so the masters are compared bit for bit; on XLA (foreach, lr as a device tensor) within
+the stated bound.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from support.helpers import assert_bits_equal, assert_close_bound, snapshot
+from support.trees import sync
+
+import mpfunc
+from mpfunc import _tree
+
+LS = torch.optim.lr_scheduler
+STEPS = 12
+NAMED = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)  # named params
+
+
+CPU = torch.device("cpu")
+
+
+def make_params(device: torch.device = CPU, seed: int = 0) -> list[torch.Tensor]:
+    """bf16 leaf params: a matrix, a transposed matrix, a bias, a 0-d scale."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(6, 4), (4, 6), (6,), ()]
+    out = []
+    for k, shape in enumerate(shapes):
+        t = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        if k == 1:
+            t = t.t().contiguous().t()  # column-major strides
+        out.append(t.to(device).detach().requires_grad_())
+    return out
+
+
+def fp32_copies(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().cpu().float().clone()) for p in params]
+
+
+def set_grads(k: int, params: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    gen = torch.Generator().manual_seed(1000 + k)
+    for p, r in zip(params, ref):
+        g = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        # In the param's layout, as autograd makes grads: torch's fused kernel pairs
+        # elements by memory position (mpfunc pairs by index either way).
+        p.grad = torch.empty_like(p).copy_(g)
+        r.grad = torch.empty_like(r).copy_(g)
+
+
+def masters(opt: mpfunc.MasterOptimizer) -> list[torch.Tensor]:
+    return [opt.state[p]["master"] for g in opt.param_groups for p in g["params"]]
+
+
+def adamw_pair(device: torch.device, **kw: Any) -> tuple[Any, Any, list[Any], list[Any]]:
+    params, kw = make_params(device), {"lr": 1e-2, "weight_decay": 0.1, **kw}
+    ref = fp32_copies(params)
+    opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, **kw)
+    return opt, torch.optim.AdamW(ref, fused=True, **kw), params, ref
+
+
+# Every scheduler of torch.optim.lr_scheduler, built over an optimizer; and how to step it.
+SCHEDULERS: dict[str, Callable[[Any], Any]] = {
+    "LambdaLR": lambda o: LS.LambdaLR(o, lambda e: min(e / 4, 1.0)),  # warm-up from lr 0.0
+    "MultiplicativeLR": lambda o: LS.MultiplicativeLR(o, lambda e: 0.95),
+    "StepLR": lambda o: LS.StepLR(o, step_size=3, gamma=0.5),
+    "MultiStepLR": lambda o: LS.MultiStepLR(o, milestones=[2, 5, 9], gamma=0.3),
+    "ConstantLR": lambda o: LS.ConstantLR(o, factor=0.25, total_iters=4),
+    "LinearLR": lambda o: LS.LinearLR(o, start_factor=0.1, total_iters=5),
+    "ExponentialLR": lambda o: LS.ExponentialLR(o, gamma=0.8),
+    "SequentialLR": lambda o: LS.SequentialLR(
+        o,
+        [LS.LinearLR(o, start_factor=0.1, total_iters=3), LS.ExponentialLR(o, gamma=0.9)],
+        milestones=[3],
+    ),
+    "CosineAnnealingLR": lambda o: LS.CosineAnnealingLR(o, T_max=8, eta_min=1e-4),
+    "ChainedScheduler": lambda o: LS.ChainedScheduler(
+        [LS.ConstantLR(o, factor=0.5, total_iters=4), LS.ExponentialLR(o, gamma=0.9)]
+    ),
+    "ReduceLROnPlateau": lambda o: LS.ReduceLROnPlateau(o, patience=1, factor=0.5),
+    "CyclicLR": lambda o: LS.CyclicLR(
+        o,
+        base_lr=1e-3,
+        max_lr=1e-2,
+        step_size_up=3,
+        cycle_momentum=True,
+        base_momentum=0.8,
+        max_momentum=0.9,
+    ),  # fmt: skip  (betas[0] cycles)
+    "CosineAnnealingWarmRestarts": lambda o: LS.CosineAnnealingWarmRestarts(o, T_0=4, T_mult=2),
+    "OneCycleLR": lambda o: LS.OneCycleLR(o, max_lr=2e-2, total_steps=STEPS),  # betas[0] too
+    "PolynomialLR": lambda o: LS.PolynomialLR(o, total_iters=8, power=2.0),
+    "SWALR": lambda o: torch.optim.swa_utils.SWALR(o, swa_lr=5e-3, anneal_epochs=4),
+}
+
+
+def sched_step(s: Any, k: int) -> None:
+    if isinstance(s, LS.ReduceLROnPlateau):
+        s.step(1.0)  # a plateau: halves the lr every other step
+    else:
+        s.step()
+
+
+def hypers(opt: torch.optim.Optimizer) -> list[tuple[Any, ...]]:
+    return [(g["lr"], tuple(g["betas"])) for g in opt.param_groups]
+
+
+def test_every_scheduler_is_covered() -> None:
+    """A scheduler torch adds later must join the table (or be argued inapplicable)."""
+    assert set(LS.__all__) - {"LRScheduler"} <= set(SCHEDULERS)
+
+
+@pytest.mark.filterwarnings(
+    # SequentialLR steps its schedulers with an epoch argument, which torch itself
+    # deprecates; not ours to fix.
+    "ignore:The epoch parameter in `scheduler.step\\(\\)`:UserWarning"
+)
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_scheduler_drives_it_as_torch_optim(name: str) -> None:
+    """The same lr (and betas) sequence as torch.optim.AdamW under the same scheduler,
+    and bit-identical masters: both run torch's fused kernel with the same values."""
+    opt, ref_opt, params, ref = adamw_pair(CPU)
+    sched, ref_sched = SCHEDULERS[name](opt), SCHEDULERS[name](ref_opt)
+    assert hypers(opt) == hypers(ref_opt)
+    seen = set()
+    for k in range(STEPS):
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        sched_step(sched, k)
+        sched_step(ref_sched, k)
+        assert hypers(opt) == hypers(ref_opt), f"step {k}"
+        seen.add(hypers(opt)[0])
+        opt.zero_grad()
+    assert len(seen) > 1, "the schedule never changed the lr"
+    for m, r in zip(masters(opt), ref):
+        assert_bits_equal(m, r.detach())
+    for p, m in zip(params, masters(opt)):
+        assert_bits_equal(p.detach(), m.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cycle", ["OneCycleLR", "CyclicLR"])
+def test_sgd_momentum_cycling(cycle: str) -> None:
+    """SGD: the schedulers cycle ``momentum`` (a rebuild, not a recompile); against
+    torch.optim.SGD within the bound (its single-tensor path orders ops differently)."""
+    params = make_params()
+    ref = fp32_copies(params)
+    kw = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-3}
+    opt = mpfunc.MasterOptimizer(params, mpfunc.sgd, **kw)
+    ref_opt = torch.optim.SGD(ref, **kw)
+    sched, ref_sched = SCHEDULERS[cycle](opt), SCHEDULERS[cycle](ref_opt)
+    momenta = set()
+    for k in range(STEPS):
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        g = opt.param_groups[0]
+        assert (g["lr"], g["momentum"]) == (ref_opt.param_groups[0]["lr"],
+                                            ref_opt.param_groups[0]["momentum"])  # fmt: skip
+        momenta.add(g["momentum"])
+        opt.zero_grad()
+    assert len(momenta) > 2
+    for m, r in zip(masters(opt), ref):
+        assert_close_bound(m, r, lr=2e-2, steps=STEPS)
+
+
+def test_param_groups_map_onto_partition() -> None:
+    """Per-group values (no decay on biases, a smaller lr) as torch.optim's groups."""
+    params = make_params()
+    ref = fp32_copies(params)
+
+    def groups(ps: list[Any]) -> list[dict[str, Any]]:
+        return [
+            {"params": [ps[0], ps[1]], "weight_decay": 0.1},
+            {"params": [ps[2], ps[3]], "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.99)},
+        ]
+
+    opt = mpfunc.MasterOptimizer(groups(params), mpfunc.adamw, lr=1e-2)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
+    sched, ref_sched = LS.CosineAnnealingLR(opt, T_max=6), LS.CosineAnnealingLR(ref_opt, T_max=6)
+    for k in range(6):
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        opt.zero_grad()
+    assert hypers(opt) == hypers(ref_opt)
+    for m, r in zip(masters(opt), ref):
+        assert_bits_equal(m, r.detach())
+    # One partition label per group.
+    assert set(opt._states) == {"0", "1"}
+
+
+@pytest.mark.skipif(not NAMED, reason="torch.optim takes named parameters from torch 2.6")
+def test_named_parameters() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    opt = mpfunc.MasterOptimizer(model.named_parameters(), mpfunc.adamw, lr=1e-3)
+    names = [n for n, _ in model.named_parameters()]
+    assert opt.state_dict()["param_groups"][0]["param_names"] == names
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_grad_dtypes_and_fp32_params() -> None:
+    """Grads are read in each param's dtype: bf16, fp16 and fp32 params in one group."""
+    gen = torch.Generator().manual_seed(5)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    params = [torch.randn(5, generator=gen).to(d).requires_grad_() for d in dtypes]
+    ref = fp32_copies(params)
+    opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for _ in range(3):
+        for p, r in zip(params, ref):
+            g = torch.randn(5, generator=gen).to(p.dtype)
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    for p, m, r in zip(params, masters(opt), ref):
+        assert m.dtype == torch.float32
+        assert_bits_equal(m, r.detach())
+        assert_bits_equal(p.detach(), m.to(p.dtype))
+
+
+def test_zero_grad_and_closure() -> None:
+    params = make_params()
+    opt = mpfunc.MasterOptimizer(params, mpfunc.sgd, lr=0.1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = sum(p.float().square().sum() for p in params)
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad
+    assert all(p.grad is not None for p in params)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    opt.zero_grad(set_to_none=False)  # nothing to zero: grads stay None, as torch.optim
+
+
+def test_skip_keeps_every_bit() -> None:
+    opt, _, params, ref = adamw_pair(CPU)
+    set_grads(0, params, ref)
+    opt.step()
+    snap = snapshot([masters(opt), params, [opt.state[p]["exp_avg"] for p in params]])
+    set_grads(1, params, ref)
+    opt.step(skip=torch.tensor(True))
+    assert_unchanged_all(opt, params, snap)
+    opt.step(skip=torch.tensor(False))
+    assert not torch.equal(masters(opt)[0], snap[0][0])
+    with pytest.raises(TypeError, match="skip: expected None or a 0-d bool tensor"):
+        opt.step(skip=True)  # type: ignore[arg-type]
+
+
+def assert_unchanged_all(opt: Any, params: list[Any], snap: list[Any]) -> None:
+    now = [t.detach() for t in masters(opt) + params + [opt.state[p]["exp_avg"] for p in params]]
+    for t, (clone, _) in zip(now, snap):
+        assert_bits_equal(t, clone.to(t.device))
+
+
+# --- GradScaler ---------------------------------------------------------------------------
+
+
+def scaler_run(unscale: bool, poison: int | None) -> tuple[Any, Any, list[Any]]:
+    """Trains under torch.amp.GradScaler; ``poison`` puts an inf into that step's grads."""
+    params = make_params()
+    opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scales = []
+    for k in range(5):
+        opt.zero_grad()
+        loss = sum((p.float() * (k + 1 + i)).sum() for i, p in enumerate(params))
+        assert isinstance(loss, torch.Tensor)
+        if k == poison:
+            loss = loss + params[0].float().sum() * float("inf")
+        scaler.scale(loss).backward()
+        if unscale:
+            scaler.unscale_(opt)  # e.g. to clip; the step then divides by nothing
+            torch.nn.utils.clip_grad_norm_(params, max_norm=1e9)  # a no-op clip
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return opt, params, scales
+
+
+def unscaled_run(skip_at: int | None) -> tuple[Any, list[Any]]:
+    params = make_params()
+    opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2)
+    for k in range(5):
+        opt.zero_grad()
+        loss = sum((p.float() * (k + 1 + i)).sum() for i, p in enumerate(params))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        opt.step(skip=torch.tensor(k == skip_at))
+    return opt, params
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale_-then-step"])
+@pytest.mark.parametrize("poison", [None, 2], ids=["finite", "inf-at-2"])
+def test_grad_scaler_protocol(unscale: bool, poison: int | None) -> None:
+    """``scaler.step(opt)`` goes through torch's ``_step_supports_amp_scaling`` protocol:
+    the scale is divided out in fp32 inside the step and an inf skips it on the device.
+    Power-of-two scales are exact, so the result is bit-identical to unscaled training
+    with the same step skipped."""
+    opt, params, scales = scaler_run(unscale, poison)
+    want_opt, want_params = unscaled_run(poison)
+    for a, b in zip(masters(opt) + params, masters(want_opt) + want_params):
+        assert_bits_equal(a.detach(), b.detach())
+    if poison is not None:
+        assert scales[poison] == scales[poison - 1] / 2  # backed off
+    for p in params:
+        assert float(opt.state[p]["step"]) == (5 if poison is None else 4)
+
+
+def test_grad_scaler_fp16_params() -> None:
+    """fp16 params: ``scaler.step(opt)`` works (unscaled in fp32 inside the step);
+    GradScaler itself refuses ``unscale_`` of fp16 grads, as documented."""
+    p = torch.ones(4, dtype=torch.float16, requires_grad=True)
+    opt = mpfunc.MasterOptimizer([p], mpfunc.sgd, lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler.scale((p.float() * 3).sum()).backward()
+    assert float(p.grad[0]) == 3 * 2**12
+    scaler.step(opt)
+    scaler.update()
+    assert_bits_equal(p.detach(), torch.full((4,), -0.5, dtype=torch.float16))
+    scaler.scale((p.float() * 3).sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(opt)
+
+
+# --- checkpoints --------------------------------------------------------------------------
+
+
+def checkpointed_run(split: int | None) -> list[torch.Tensor]:
+    """Trains STEPS steps under OneCycleLR; with ``split``, saves there (optimizer,
+    scheduler and bf16 model through torch.save), rebuilds everything and resumes."""
+    opt, _, params, ref = adamw_pair(CPU)
+    sched = SCHEDULERS["OneCycleLR"](opt)
+    for k in range(STEPS):
+        if k == split:
+            buf = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "model": [p.detach() for p in params]}, buf)  # fmt: skip
+            buf.seek(0)
+            ckpt = torch.load(buf, weights_only=True)
+            params = make_params(seed=7)  # other values: all come from the checkpoint
+            with torch.no_grad():
+                for p, saved in zip(params, ckpt["model"]):
+                    p.copy_(saved)
+            opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1.0, weight_decay=0.5)
+            sched = SCHEDULERS["OneCycleLR"](opt)
+            opt.load_state_dict(ckpt["opt"])
+            sched.load_state_dict(ckpt["sched"])
+        set_grads(k, params, ref)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return masters(opt) + [opt.state[p][k] for p in params for k in ("exp_avg", "step")] + params
+
+
+def test_state_dict_is_torch_format_and_resumes_bit_exactly() -> None:
+    opt, _, _, _ = adamw_pair(CPU)
+    sd = opt.state_dict()
+    assert sorted(sd) == ["param_groups", "state"]
+    assert sorted(sd["state"]) == [0, 1, 2, 3]
+    assert sorted(sd["state"][0]) == ["exp_avg", "exp_avg_sq", "master", "step"]
+    assert sd["state"][0]["master"].dtype == torch.float32
+    assert sd["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert sd["param_groups"][0]["betas"] == (0.9, 0.999)
+    straight, resumed = checkpointed_run(None), checkpointed_run(5)
+    for a, b in zip(straight, resumed):
+        assert_bits_equal(a.detach(), b.detach())
+
+
+def test_load_state_dict_checks_everything_before_writing() -> None:
+    opt, _, params, ref = adamw_pair(CPU)
+    set_grads(0, params, ref)
+    opt.step()
+    good = opt.state_dict()
+    snap = snapshot([masters(opt), [opt.state[p]["exp_avg"] for p in params]])
+    lr = opt.param_groups[0]["lr"]
+
+    def bad(edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        sd = {"state": {k: dict(v) for k, v in good["state"].items()},
+              "param_groups": [dict(g, lr=0.5) for g in good["param_groups"]]}  # fmt: skip
+        edit(sd)
+        return sd
+
+    cases = [
+        (lambda sd: sd["state"][2].update(exp_avg=sd["state"][2]["exp_avg"].bfloat16()),
+         ValueError, r"state\[2\].*'exp_avg'.*expected torch.float32"),
+        (lambda sd: sd["state"][3].pop("master"), ValueError, "expected the keys"),
+        (lambda sd: sd["state"][1].update(master=torch.zeros(3)), ValueError, "shape"),
+        (lambda sd: sd["param_groups"][0].update(params=[0, 1]), ValueError, "expected 4 params"),
+        (lambda sd: sd["state"].update({9: {}}), ValueError, "param indices"),
+    ]  # fmt: skip
+    for edit, cls, match in cases:
+        with pytest.raises(cls, match=match):
+            opt.load_state_dict(bad(edit))
+        assert_unchanged_all_state(opt, params, snap)
+        assert opt.param_groups[0]["lr"] == lr
+    with pytest.raises(TypeError, match="'state' and 'param_groups'"):
+        opt.load_state_dict({"state": {}})
+
+
+def assert_unchanged_all_state(opt: Any, params: list[Any], snap: list[Any]) -> None:
+    now = masters(opt) + [opt.state[p]["exp_avg"] for p in params]
+    for t, (clone, version) in zip(now, snap):
+        assert t._version == version
+        assert_bits_equal(t, clone)
+
+
+# --- frozen params, params written outside ------------------------------------------------
+
+
+def test_frozen_params_get_no_master_or_state() -> None:
+    params = make_params()
+    params[0].requires_grad_(False)
+    ref = fp32_copies(params)
+    opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref[1:], lr=1e-2, fused=True)
+    assert params[0] not in opt.state
+    assert opt._masters[0] is None
+    assert all(getattr(opt._states["0"], f)[0] is None for f in ("exp_avg", "exp_avg_sq"))
+    assert sorted(opt.state_dict()["state"]) == [1, 2, 3]
+    frozen_before = params[0].detach().clone()
+    for k in range(3):
+        set_grads(k, params[1:], ref[1:])
+        opt.step()
+        ref_opt.step()
+    assert_bits_equal(params[0].detach(), frozen_before)
+    for m, r in zip(opt._masters[1:], ref[1:]):
+        assert m is not None
+        assert_bits_equal(m, r.detach())
+    # Unfrozen later: master and state are made at its first grad, as torch.optim does.
+    params[0].requires_grad_(True)
+    params[0].grad = torch.ones(6, 4, dtype=torch.bfloat16)
+    opt.step()
+    assert float(opt.state[params[0]]["step"]) == 1
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+
+
+def test_params_written_outside_are_taken_up() -> None:
+    """``model.load_state_dict`` after building the optimizer: the step starts from the
+    loaded values, as torch.optim would; an element rewritten with its own value keeps
+    its master's fp32 bits."""
+    opt, _, params, ref = adamw_pair(CPU)
+    set_grads(0, params, ref)
+    opt.step()
+    kept = masters(opt)[1].clone()
+    loaded = [p.detach().clone() + 1 for p in params]
+    with torch.no_grad():
+        params[0].copy_(loaded[0])
+        params[1].mul_(1)  # a write that changes no value
+    assert_bits_equal(masters(opt)[1], kept)
+    params[0].grad = params[1].grad = None
+    params[2].grad = params[3].grad = None
+    opt.step()  # no grads: only the resync
+    assert_bits_equal(masters(opt)[0], loaded[0].float())
+    assert_bits_equal(masters(opt)[1], kept)
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def test_errors_name_what_was_expected() -> None:
+    ps = make_params()
+    with pytest.raises(TypeError, match="got a built adamw optimizer"):
+        mpfunc.MasterOptimizer(ps, mpfunc.adamw(lr=1e-3))
+    with pytest.raises(TypeError, match=r"MasterOptimizer\.from_torch"):
+        mpfunc.MasterOptimizer(ps, torch.optim.AdamW)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got momentum"):
+        mpfunc.MasterOptimizer(ps, mpfunc.adamw, momentum=0.9)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: adamw: betas\[0\]"):
+        mpfunc.MasterOptimizer([{"params": ps[:2]}, {"params": ps[2:], "betas": (1.5, 0.9)}])
+    with pytest.raises(ValueError, match="strategy"):
+        mpfunc.MasterOptimizer(ps, strategy="fp8")
+    with pytest.raises(ValueError, match="shares no memory"):
+        base = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+        mpfunc.MasterOptimizer([base, base.detach()[:4].requires_grad_()])
+
+
+@pytest.mark.parametrize("change", ["amsgrad", "lr"])
+def test_a_bad_change_raises_before_writing(change: str) -> None:
+    opt, _, params, ref = adamw_pair(CPU)
+    set_grads(0, params, ref)
+    opt.step()
+    snap = snapshot([masters(opt), params, [opt.state[p]["exp_avg"] for p in params]])
+    if change == "amsgrad":  # needs a state the optimizer does not have
+        opt.param_groups[0]["amsgrad"] = True
+        match = "max_exp_avg_sq"
+    else:
+        opt.param_groups[0]["lr"] = -1.0
+        match = r"param_groups\[0\]: adamw: lr"
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert_unchanged_all(opt, params, snap)
+
+
+# --- XLA ----------------------------------------------------------------------------------
+
+
+# lr factors whose values a traced constant would trip on: 0.0 (a special scalar that
+# torch_xla bakes into the graph) and 10.0 (lr 0.1 == weight_decay: torch_xla caches
+# scalar inputs by value, so two equal ones merge into one and the graph changes).
+TRAPS = [1.0, 0.5, 0.3, 0.7, 0.0, 0.2, 10.0, 0.4, 1.0, 0.6, 0.8, 0.9]
+XLA_SCHEDULERS: dict[str, Callable[[Any], Any]] = {
+    "OneCycleLR": SCHEDULERS["OneCycleLR"],  # lr and betas[0] change every step
+    "LambdaLR-traps": lambda o: LS.LambdaLR(o, lambda e: TRAPS[e % len(TRAPS)]),
+}
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("name", sorted(XLA_SCHEDULERS))
+def test_xla_schedulers_compile_nothing_new(xla_device: torch.device, name: str) -> None:
+    """After warm-up no graph is compiled whatever values the scheduler sets, nothing is
+    read back to the host, nothing falls back to the CPU, and the masters stay within
+    the bound of torch.optim on the CPU."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def count(name: str) -> int:
+        data = met.metric_data(name)
+        return 0 if data is None else int(data[0])
+
+    opt, ref_opt, params, ref = adamw_pair(xla_device)
+    sched, ref_sched = XLA_SCHEDULERS[name](opt), XLA_SCHEDULERS[name](ref_opt)
+    fallbacks_before = {n: met.counter_value(n) for n in met.counter_names() if "aten::" in n}
+    compiles = to_host = 0
+    lrs = set()
+    for k in range(STEPS):
+        if k == 3:
+            xm.wait_device_ops()
+            compiles, to_host = count("CompileTime"), count("TransferFromDeviceTime")
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        lrs.add(opt.param_groups[0]["lr"])
+        opt.zero_grad()
+        sync(xla_device)
+    xm.wait_device_ops()
+    assert count("CompileTime") == compiles, "a changed lr or beta compiled a new graph"
+    assert count("TransferFromDeviceTime") == to_host, "a step read a tensor back"
+    fallbacks = {n: met.counter_value(n) for n in met.counter_names() if "aten::" in n}
+    assert fallbacks == fallbacks_before
+    assert hypers(opt) == hypers(ref_opt)
+    assert len(lrs) > 5
+    for m, r in zip(masters(opt), ref):
+        assert_close_bound(m, r, lr=0.1, steps=STEPS)
+
+
+# --- migration ----------------------------------------------------------------------------
+
+
+def test_from_torch_optim_labels_and_matches_torch() -> None:
+    model = torch.nn.ModuleDict({
+        "emb": torch.nn.Embedding(10, 4), "fc": torch.nn.Linear(4, 4),
+        "ln": torch.nn.LayerNorm(4), "head": torch.nn.Linear(4, 2),
+    })  # fmt: skip
+    model["emb"].weight.requires_grad_(False)  # frozen, yet listed in a group
+    decay = [model["fc"].weight, model["emb"].weight]
+    no_decay = [model["fc"].bias, model["ln"].weight, model["ln"].bias]
+    torch_opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3},
+        ],
+        lr=1e-2,
+        fused=True,
+    )  # fmt: skip  (head: in no group, so torch never trains it)
+    params = dict(model.named_parameters())
+    labels, opt = mpfunc.from_torch_optim(torch_opt, params)
+    assert labels == {
+        "emb.weight": "frozen", "fc.weight": "group0", "fc.bias": "group1",
+        "ln.weight": "group1", "ln.bias": "group1", "head.weight": "frozen", "head.bias": "frozen",
+    }  # fmt: skip
+    masters_ = mpfunc.init_master(params, trainable_only=True)
+    assert masters_["emb.weight"] is None and masters_["head.weight"] is not None
+    state = opt.init(masters_)
+    assert state["frozen"] is None
+    before = {n: m.clone() for n, m in masters_.items() if m is not None}
+    for k in range(4):
+        gen = torch.Generator().manual_seed(k)
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+        for n, p in params.items():
+            p.grad = grads[n].clone() if p.requires_grad else None
+        torch_opt.step()
+        mpfunc.apply_update_(masters_, {n: g if masters_[n] is not None else None
+                                        for n, g in grads.items()}, state, opt)  # fmt: skip
+    for n, m in masters_.items():
+        if m is None:
+            continue
+        assert_bits_equal(m, params[n].detach())
+    assert torch.equal(masters_["head.weight"], before["head.weight"])
+
+
+def test_from_torch_optim_refuses_a_param_it_cannot_see() -> None:
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    torch_opt = torch.optim.SGD([a, b], lr=0.1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\.params\[1\].*a leaf of params"):
+        mpfunc.from_torch_optim(torch_opt, {"a": a})
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer instance"):
+        mpfunc.from_torch_optim(object(), {"a": a})  # type: ignore[arg-type]
+
+
+def test_from_torch_optim_other_classes_run_through_torch_optimizer() -> None:
+    a = torch.nn.Parameter(torch.ones(3))
+    ref = torch.nn.Parameter(torch.ones(3))
+    labels, opt = mpfunc.from_torch_optim(torch.optim.RMSprop([a], lr=0.1), {"a": a})
+    ref_opt = torch.optim.RMSprop([ref], lr=0.1)
+    masters_ = mpfunc.init_master({"a": a})
+    state = opt.init(masters_)
+    for _ in range(3):
+        ref.grad = torch.full((3,), 0.5)
+        ref_opt.step()
+        mpfunc.apply_update_(masters_, {"a": torch.full((3,), 0.5)}, state, opt)
+    assert_bits_equal(masters_["a"], ref.detach())
+    assert labels == {"a": "group0"}
+
+
+def test_master_optimizer_from_torch() -> None:
+    params = make_params()
+    ref = fp32_copies(params)
+    groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 1e-3}]
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.9))
+    opt = mpfunc.MasterOptimizer.from_torch(torch_opt)
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "lr": 1e-3}],
+        lr=1e-2, betas=(0.8, 0.9), fused=True,
+    )  # fmt: skip
+    for k in range(3):
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+    for m, r in zip(masters(opt), ref):
+        assert_bits_equal(m, r.detach())
+    with pytest.raises(TypeError, match="no native optimizer"):
+        mpfunc.MasterOptimizer.from_torch(torch.optim.RMSprop(params, lr=0.1))
+
+
+def test_frozen_optimizer_keeps_leaves_and_no_state() -> None:
+    tree = {"a": torch.ones(3), "b": torch.ones(2)}
+    opt = mpfunc.partition({"t": mpfunc.sgd(lr=0.5), "f": mpfunc.frozen()},
+                           {"a": "t", "b": "f"})  # fmt: skip
+    state = opt.init(tree)
+    assert state["f"] is None
+    grads = {"a": torch.ones(3), "b": torch.full((2,), float("nan"))}
+    new, _ = mpfunc.apply_update(tree, grads, state, opt)
+    assert torch.equal(new["b"], tree["b"]) and torch.equal(new["a"], torch.full((3,), 0.5))
+    assert _tree.flatten(mpfunc.state_dict({"s": state}))[0] is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="frozen\\(\\) keeps no state"):
+            mpfunc.apply_update(tree, grads, {"t": state["t"], "f": 1}, opt)
+
+
+# --- the example --------------------------------------------------------------------------
+
+
+def load_example() -> Any:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "master_optimizer.py"
+    spec = importlib.util.spec_from_file_location("master_optimizer_example", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_runs(device: torch.device, capsys: pytest.CaptureFixture[str]) -> None:
+    loss = load_example().main(["--device", device.type, "--steps", "30", "--hidden", "16"])
+    out = capsys.readouterr().out
+    first = float(out.split("loss ")[1].split()[0])
+    assert loss < first, out
+    assert "6 params with fp32 masters" in out
+
+
+def test_example_saves_and_resumes(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """fp16 with GradScaler (CPU), saved halfway and resumed."""
+    ex, ck = load_example(), str(tmp_path / "run.pt")
+    common = ["--dtype", "fp16", "--steps", "20", "--hidden", "16", "--ckpt", ck]
+    ex.main(common)
+    ex.main(common)
+    out = capsys.readouterr().out
+    assert "saved" in out and "resumed from" in out and "at step 10" in out
+
+
+# --- master strategies --------------------------------------------------------------------
+
+
+def test_strategies_train_and_resume() -> None:
+    """``strategy="remainder"`` keeps the fp32 master exactly in bf16 + int16: the moments
+    match the ``"fp32"`` run bit for bit; its state_dict holds the remainder, not a
+    master, and resumes bit for bit."""
+
+    def run(strategy: str, split: int | None = None) -> tuple[Any, list[Any]]:
+        params = make_params()
+        opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2, strategy=strategy)
+        for k in range(6):
+            if k == split:
+                sd = opt.state_dict()
+                model = [p.detach().clone() for p in params]
+                params = make_params(seed=3)
+                with torch.no_grad():
+                    for p, saved in zip(params, model):
+                        p.copy_(saved)
+                opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, lr=1e-2, strategy=strategy)
+                opt.load_state_dict(sd)
+            set_grads(k, params, fp32_copies(params))
+            opt.step()
+        return opt, params
+
+    fp32, _ = run("fp32")
+    rem, rem_params = run("remainder")
+    assert sorted(rem.state_dict()["state"][0]) == ["exp_avg", "exp_avg_sq", "remainder", "step"]
+    assert rem.state[rem_params[0]]["remainder"].dtype == torch.int16
+    for p, q in zip(fp32._params, rem_params):
+        assert_bits_equal(fp32.state[p]["exp_avg_sq"], rem.state[q]["exp_avg_sq"])
+    resumed, resumed_params = run("remainder", split=3)
+    for p, q in zip(rem_params, resumed_params):
+        assert_bits_equal(p.detach(), q.detach())
+        for key in ("exp_avg", "remainder", "step"):
+            assert torch.equal(rem.state[p][key], resumed.state[q][key])
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: init_master"):
+        mpfunc.MasterOptimizer([torch.ones(3, requires_grad=True)], strategy="remainder")

@@ -1,0 +1,624 @@
+"""Master strategies, state dtypes and the single-pass step, against independent references.
+
+* single pass == three calls: ``apply_update_(masters, bf16 grads, ..., params=, scale=)``
+  gives the bits of ``grads_to_fp32_(scale=)`` + ``apply_update_`` + ``masters_to_model_``,
+  every optimizer, implementation and layout, with skipped steps;
+* ``"remainder"``: masters (joined) and state bit-identical to ``"fp32"`` every step; the
+  param is ``_remainder.split``'s, which differs from ``Tensor.to`` only at exact ties;
+* ``"none"``: an fp32 step from the param, rounded back with ``Tensor.to``;
+* ``"kahan"``: param + compensation within ``steps * 2**-16 * M`` of the fp32 master;
+* ``"stochastic"``: same seed, same bits; the same bits on CPU and XLA; unbiased;
+* ``state_dtype=torch.bfloat16``: fp32 moments rounded to bf16 after each step;
+* ``state_dtype=torch.uint8``: the Adam direction stays close to fp32 Adam's;
+* diagnostics: swallowed updates and the update-to-weight ratio, by hand.
+
+CPU comparisons are bit for bit. On XLA, XLA:CPU fuses ``a*b + c`` depending on the whole
+graph, so XLA runs are compared with the same computation on the CPU within the stated
+bound ``max|a - b| <= 1e-6 * M``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.helpers import bits
+from support.layouts import BF16, GRAD_LAYOUTS, OPTS, PARAM_LAYOUTS, grad_like
+
+import mpfunc
+from mpfunc import _remainder
+from mpfunc._strategy_stochastic import round_stochastic
+
+STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
+STATE_DTYPES = [None, torch.bfloat16, torch.uint8]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in mpfunc.state_dict(tree).values()]
+
+
+def _assert_same_bits(a: Any, b: Any, what: str) -> None:
+    la, lb = mpfunc.state_dict(a), mpfunc.state_dict(b)
+    assert la.keys() == lb.keys(), what
+    for k in la:
+        x, y = la[k].detach().cpu(), lb[k].detach().cpu()
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, k)
+        same = torch.equal(bits(x), bits(y)) if x.is_floating_point() else torch.equal(x, y)
+        assert same, (what, k)
+
+
+def _assert_close(a: Any, b: Any, what: str, rtol: float = 1e-6) -> None:
+    la, lb = mpfunc.state_dict(a), mpfunc.state_dict(b)
+    for k in la:
+        x, y = la[k].detach().cpu().double(), lb[k].detach().cpu().double()
+        if x.numel() == 0:
+            continue
+        m = max(float(y.abs().max()), 1e-30)
+        assert float((x - y).abs().max()) <= rtol * m + 1e-12, (what, k)
+
+
+def _case(data: st.DataObject, device: torch.device) -> dict[str, Any]:
+    name = data.draw(st.sampled_from(sorted(OPTS)), label="optimizer")
+    factory, _, hp, impls = OPTS[name]
+    if device.type != "cpu":
+        impls = [i for i in impls if i != "fused"]
+    impl = data.draw(st.sampled_from(impls), label="impl")
+    n = data.draw(st.integers(1, 3), label="leaves")
+    layouts = [data.draw(st.sampled_from(PARAM_LAYOUTS), label=f"layout{i}") for i in range(n)]
+    kinds = [data.draw(st.sampled_from(GRAD_LAYOUTS), label=f"grad{i}") for i in range(n)]
+    steps = data.draw(st.integers(1, 4), label="steps")
+    skips = [data.draw(st.booleans(), label=f"skip{k}") for k in range(steps)]
+    scale = data.draw(st.sampled_from([None, 1024.0, "tensor"]), label="scale")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    return dict(factory=factory, hp=hp, impl=impl, layouts=layouts, kinds=kinds, steps=steps,
+                skips=skips, scale=scale, seed=seed)  # fmt: skip
+
+
+def _params(c: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(c["seed"])
+    return {f"p{i}": lay.make(gen, BF16).to(device) for i, lay in enumerate(c["layouts"])}
+
+
+def _grads(c: dict[str, Any], device: torch.device, k: int, gen: torch.Generator) -> Any:
+    scale = 1024.0 if c["scale"] is not None else 1.0
+    return {
+        f"p{i}": grad_like(c["kinds"][i], lay.shape, gen, scale * 10.0 ** (k % 3 - 1)).to(device)
+        for i, lay in enumerate(c["layouts"])
+    }
+
+
+def _scale(c: dict[str, Any], device: torch.device) -> Any:
+    if c["scale"] == "tensor":
+        return torch.tensor(1024.0, device=device)
+    return c["scale"]
+
+
+# --- single pass == three calls ----------------------------------------------------------
+
+
+def run_single_vs_three(device: torch.device, data: st.DataObject) -> None:
+    c = _case(data, device)
+    opt = c["factory"](**c["hp"], impl=c["impl"])
+    pa, pb = _params(c, device), _params(c, device)
+    ma, mb = mpfunc.init_master(pa), mpfunc.init_master(pb)
+    sa, sb = opt.init(ma), opt.init(mb)
+    out = mpfunc.init_grads(pa)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    scale = _scale(c, device)
+    for k in range(c["steps"]):
+        grads = _grads(c, device, k, gen)
+        skip = torch.tensor(c["skips"][k], device=device)
+        g32 = mpfunc.grads_to_fp32_(grads, out, scale=scale)
+        mpfunc.apply_update_(ma, g32, sa, opt, skip)
+        mpfunc.masters_to_model_(ma, pa)
+        mpfunc.apply_update_(mb, grads, sb, opt, skip, params=pb, scale=scale)
+        _sync(device)
+    check = _assert_same_bits if device.type == "cpu" else _assert_close
+    check(ma, mb, "masters")
+    check(sa, sb, "state")
+    check(pa, pb, "params")
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_single_pass_equals_three_calls_cpu(data: st.DataObject) -> None:
+    run_single_vs_three(torch.device("cpu"), data)
+
+
+@pytest.mark.xla
+@settings(max_examples=6)
+@given(data=st.data())
+def test_single_pass_equals_three_calls_xla(xla_device: torch.device, data: st.DataObject) -> None:
+    run_single_vs_three(xla_device, data)
+
+
+def test_single_pass_keeps_no_fp32_grad_tree() -> None:
+    """The temporaries of a mixed step are bounded by one chunk, not the model: 64 leaves
+    of 2**16 elements (16 MiB of fp32 grads) peak far below one fp32 grad tree."""
+    import tracemalloc  # noqa: F401  (torch allocations are not traced; count via storage)
+
+    params = {f"w{i}": torch.randn(256, 256).to(BF16) for i in range(64)}
+    masters = mpfunc.init_master(params)
+    opt = mpfunc.adamw(lr=1e-3)
+    state = opt.init(masters)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    peak = 0
+    from mpfunc import _plan
+
+    real = _plan._run_mixed
+
+    def spy(mx: Any, hyper: Any) -> None:
+        nonlocal peak
+        peak = max(peak, sum(m.numel() for m in mx.masters))
+        real(mx, hyper)
+
+    _plan._run_mixed = spy
+    try:
+        mpfunc.apply_update_(masters, grads, state, opt, params=params)
+    finally:
+        _plan._run_mixed = real
+    assert 0 < peak <= _plan.MIXED_CHUNK_NUMEL
+    assert peak * 4 * 16 <= sum(v.numel() for v in params.values()) * 4
+
+
+# --- remainder == fp32 -------------------------------------------------------------------
+
+
+def run_remainder(device: torch.device, data: st.DataObject) -> None:
+    c = _case(data, device)
+    opt = c["factory"](**c["hp"], impl=c["impl"])
+    p32, prem = _params(c, device), _params(c, device)
+    m32 = mpfunc.init_master(p32)
+    mrem = mpfunc.init_master(prem, strategy="remainder")
+    s32, srem = opt.init(m32), opt.init(mrem)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    scale = _scale(c, device)
+    for k in range(c["steps"]):
+        grads = _grads(c, device, k, gen)
+        skip = torch.tensor(c["skips"][k], device=device)
+        mpfunc.apply_update_(m32, grads, s32, opt, skip, params=p32, scale=scale)
+        mpfunc.apply_update_(mrem, grads, srem, opt, skip, params=prem, scale=scale)
+        _sync(device)
+        exported = mpfunc.masters_state_dict(mrem)
+        if device.type == "cpu":
+            _assert_same_bits(exported, m32, "masters")
+            _assert_same_bits(s32, srem, "state")
+        else:
+            _assert_close(exported, m32, "masters")
+            _assert_close(srem, s32, "state")
+        for key, m in exported.items():
+            # The param is the encoding's: split(master), which is Tensor.to but at ties.
+            param, _ = _remainder.split(m)
+            assert torch.equal(bits(prem[key].detach().cpu()), bits(param)), key
+            low = m.view(torch.int32) & 0xFFFF
+            off = bits(param) != bits(m.to(BF16))
+            assert bool((low[off] == 0x8000).all()), key
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_remainder_is_fp32_bit_for_bit_cpu(data: st.DataObject) -> None:
+    run_remainder(torch.device("cpu"), data)
+
+
+@pytest.mark.xla
+@settings(max_examples=5)
+@given(data=st.data())
+def test_remainder_is_fp32_xla(xla_device: torch.device, data: st.DataObject) -> None:
+    run_remainder(xla_device, data)
+
+
+def test_remainder_keeps_updates_bf16_drops() -> None:
+    """1000 updates of 1e-4 on a weight of 1.0 (bf16 ulp 2**-7): the remainder master moves
+    by 0.1 exactly as fp32 does; "none" never moves."""
+    runs = {}
+    for strat in ("fp32", "remainder", "none"):
+        p = {"w": torch.ones(64, dtype=BF16)}
+        m = mpfunc.init_master(p, strategy=strat)
+        opt = mpfunc.sgd(lr=1e-4)
+        s = opt.init(m)
+        for _ in range(1000):
+            mpfunc.apply_update_(m, {"w": torch.ones(64, dtype=BF16)}, s, opt, params=p)
+        runs[strat] = (mpfunc.masters_state_dict(m)["w"], p["w"].clone())
+    assert torch.equal(runs["remainder"][0], runs["fp32"][0])
+    assert float(runs["fp32"][0][0]) == pytest.approx(0.9, abs=1e-4)
+    assert torch.equal(runs["none"][1], torch.ones(64, dtype=BF16))
+
+
+# --- none, kahan, stochastic ----------------------------------------------------------------
+
+
+def test_none_is_an_fp32_step_rounded_back() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = {
+        "w": torch.randn(8, 8, generator=gen).to(BF16),
+        "b": torch.randn(8, generator=gen).to(BF16),
+    }
+    ref_p = {k: v.clone() for k, v in p.items()}
+    opt = mpfunc.adamw(lr=1e-2, weight_decay=0.1)
+    m = mpfunc.init_master(p, strategy="none")
+    s = opt.init(m)
+    ref_m = mpfunc.init_master(ref_p)
+    ref_s = opt.init(ref_m)
+    for _ in range(10):
+        g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in p.items()}
+        mpfunc.apply_update_(m, g, s, opt, params=p)
+        for k in ref_m:  # the reference master is re-read from the param every step
+            ref_m[k].copy_(ref_p[k].float())
+        mpfunc.apply_update_(ref_m, g, ref_s, opt, params=ref_p)
+    _assert_same_bits(p, ref_p, "params")
+    _assert_same_bits(s, ref_s, "state")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kahan_tracks_the_fp32_master(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    base = {"w": torch.randn(32, 16, generator=gen), "b": torch.randn(16, generator=gen)}
+    p32 = {k: v.to(dtype) for k, v in base.items()}
+    pk = {k: v.to(dtype) for k, v in base.items()}
+    opt = mpfunc.adamw(lr=1e-4, weight_decay=0.01)
+    m32, mk = mpfunc.init_master(p32), mpfunc.init_master(pk, strategy="kahan")
+    s32, sk = opt.init(m32), opt.init(mk)
+    steps = 50
+    for _ in range(steps):
+        g = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in base.items()}
+        mpfunc.apply_update_(m32, g, s32, opt, params=p32)
+        mpfunc.apply_update_(mk, g, sk, opt, params=pk)
+    got = mpfunc.masters_state_dict(mk)
+    for k, ref in m32.items():
+        err = float((got[k].double() - ref.double()).abs().max())
+        assert err <= steps * 2.0**-16 * float(ref.abs().max()), (k, err)
+        # The param is the compensated value rounded to nearest.
+        assert torch.equal(bits(pk[k]), bits(got[k].to(dtype))), k
+
+
+def test_stochastic_same_seed_same_bits_and_seed_matters() -> None:
+    def run(seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        p = {"w": torch.randn(16, 16, generator=gen).to(BF16)}
+        m = mpfunc.init_master(p, strategy="stochastic", seed=seed)
+        opt = mpfunc.adamw(lr=1e-3)
+        s = opt.init(m)
+        for _ in range(5):
+            mpfunc.apply_update_(m, {"w": torch.randn(16, 16, generator=gen).to(BF16)}, s, opt)
+        return {"w": p["w"].clone(), "key": m["w"].key.clone()}
+
+    a, b, c = run(0), run(0), run(1)
+    _assert_same_bits(a, b, "same seed")
+    assert not torch.equal(a["w"], c["w"])
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    # Values spread over one bf16 interval [1, 1 + 2**-7): E[round(x)] == x.
+    n = 1 << 16
+    x = 1.0 + torch.rand(n, generator=torch.Generator().manual_seed(0)) * 2.0**-7
+    from mpfunc import _rng
+
+    total = torch.zeros(n, dtype=torch.float64)
+    draws = 32
+    for d in range(draws):
+        total += round_stochastic(x, _rng.bits(_rng.key_for(0, d, "cpu"), x.shape)).double()
+    mean_err = float((total / draws - x.double()).mean())
+    # Each draw's error has sd <= ulp/2 = 2**-8; a mean of n*draws draws, 2**-8/sqrt(n*draws).
+    assert abs(mean_err) <= 5 * 2.0**-8 / (n * draws) ** 0.5
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 3.4e38])
+    out = round_stochastic(special, torch.full(special.shape, 0xFFFF, dtype=torch.int32))
+    assert torch.equal(out[:2], special[:2].to(BF16)) and bool(out[2].isnan())
+    assert torch.equal(bits(out[3:5]), bits(special[3:5].to(BF16)))
+    assert bool(out[5].isinf())  # above bf16's largest finite, rounded up
+
+
+@pytest.mark.xla
+def test_stochastic_rounding_same_bits_on_xla(xla_device: torch.device) -> None:
+    from mpfunc import _rng, _strategy_stochastic
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, generator=gen) * torch.logspace(-30, 30, 8)
+    x[0, 0], x[0, 1], x[0, 2] = float("inf"), float("nan"), -0.0
+    key = _rng.key_for(7, 2, "cpu")
+    cpu = round_stochastic(x, _rng.bits(key, x.shape))
+    noise = _rng.bits(key.to(xla_device), x.shape)
+    xla = _strategy_stochastic._xla_round([x.to(xla_device)], [noise])[0]
+    _sync(xla_device)
+    assert torch.equal(bits(noise.cpu()), bits(_rng.bits(key, x.shape)))
+    assert torch.equal(bits(xla.cpu()[x == x]), bits(cpu[x == x]))
+    assert bool(xla.cpu()[0, 1].isnan())
+
+
+# --- state dtypes ----------------------------------------------------------------------------
+
+
+def test_bf16_state_is_fp32_moments_rounded_each_step() -> None:
+    gen = torch.Generator().manual_seed(2)
+    base = {"w": torch.randn(8, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    pa = {k: v.to(BF16) for k, v in base.items()}
+    pb = {k: v.to(BF16) for k, v in base.items()}
+    ma, mb = mpfunc.init_master(pa), mpfunc.init_master(pb)
+    oa = mpfunc.adamw(lr=1e-2, state_dtype=torch.bfloat16)
+    ob = mpfunc.adamw(lr=1e-2)
+    sa, sb = oa.init(ma), ob.init(mb)
+    assert sa.exp_avg["w"].dtype == BF16
+    for _ in range(8):
+        g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in base.items()}
+        mpfunc.apply_update_(ma, g, sa, oa, params=pa)
+        mpfunc.apply_update_(mb, g, sb, ob, params=pb)
+        for field in (sb.exp_avg, sb.exp_avg_sq):
+            for t in field.values():
+                t.copy_(t.to(BF16).float())
+    _assert_same_bits(ma, mb, "masters")
+    for field in ("exp_avg", "exp_avg_sq"):
+        _assert_same_bits(
+            {k: v.float() for k, v in getattr(sa, field).items()}, getattr(sb, field), field
+        )
+
+
+def test_uint8_state_stays_close_to_fp32_adam() -> None:
+    gen = torch.Generator().manual_seed(4)
+    base = {"w": torch.randn(64, 64, generator=gen)}
+    runs = {}
+    for sd in (None, torch.uint8):
+        p = {k: v.to(BF16) for k, v in base.items()}
+        m = mpfunc.init_master(p)
+        opt = mpfunc.adamw(lr=1e-3, state_dtype=sd)
+        s = opt.init(m)
+        g_gen = torch.Generator().manual_seed(9)
+        for _ in range(100):
+            g = {"w": (torch.randn(64, 64, generator=g_gen) + 0.5).to(BF16)}
+            mpfunc.apply_update_(m, g, s, opt, params=p)
+        runs[str(sd)] = (m["w"].clone(), s)
+    q = runs["torch.uint8"][1]
+    assert isinstance(q.exp_avg["w"], mpfunc.QState)
+    assert q.exp_avg["w"].codes.dtype == torch.int8 and q.exp_avg_sq["w"].codes.dtype == torch.uint8
+    ref_m, ref_s = runs["None"]
+    from mpfunc import _quantize
+
+    d8 = _quantize.dequantize(q.exp_avg["w"]) / _quantize.dequantize(q.exp_avg_sq["w"]).sqrt()
+    d32 = ref_s.exp_avg["w"] / ref_s.exp_avg_sq["w"].sqrt()
+    rel = float((d8 - d32).norm() / d32.norm())
+    assert rel < 0.15, rel
+    moved = runs["torch.uint8"][0] - base["w"].to(BF16).float()
+    ref_moved = ref_m - base["w"].to(BF16).float()
+    assert float((moved - ref_moved).norm() / ref_moved.norm()) < 0.15
+
+
+# --- diagnostics ----------------------------------------------------------------------------
+
+
+def test_stats_report_swallowed_updates_and_ratio() -> None:
+    p = {"w": torch.ones(100, dtype=BF16)}
+    m = mpfunc.init_master(p, strategy="none")
+    opt = mpfunc.sgd(lr=1e-4)
+    s = opt.init(m)
+    stats = mpfunc.init_stats(m)
+    g = torch.zeros(100, dtype=BF16)
+    g[:40] = 1.0
+    g[40:50] = 1000.0  # 0.1: moves the param
+    mpfunc.apply_update_(m, {"w": g}, s, opt, params=p, stats=stats)
+    st_w = stats["w"]
+    assert float(st_w.unchanged) == pytest.approx(0.9)
+    assert float(st_w.lost) == pytest.approx(0.4)
+    u = torch.zeros(100)
+    u[:40], u[40:50] = -1e-4, -0.1
+    assert float(st_w.ratio) == pytest.approx(float(u.pow(2).mean().sqrt()), rel=1e-3)
+    m32 = mpfunc.init_master({"w": torch.ones(4, dtype=BF16)})
+    st32 = mpfunc.init_stats(m32)
+    mpfunc.apply_update_(m32, {"w": torch.ones(4)}, opt.init(m32), opt, stats=st32)
+    assert bool(st32["w"].lost.isnan()) and float(st32["w"].ratio) > 0  # no params given
+
+
+# --- every strategy x state dtype: resume, pure form, errors ---------------------------------
+
+
+def _tiny(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(8, 8, generator=gen).to(BF16),
+            "b": torch.randn(32, generator=gen).to(BF16)}  # fmt: skip
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_is_bit_exact(strategy: str, state_dtype: Any, tmp_path: Any) -> None:
+    gen = torch.Generator().manual_seed(1)
+    grads = [{k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in _tiny().items()}
+             for _ in range(4)]  # fmt: skip
+    opt = mpfunc.adamw(lr=1e-2, state_dtype=state_dtype)
+    p = _tiny()
+    m = mpfunc.init_master(p, strategy=strategy, seed=5)
+    s = opt.init(m)
+    for g in grads[:2]:
+        mpfunc.apply_update_(m, g, s, opt, params=p)
+    mpfunc.save(tmp_path / "ckpt.pt", {"masters": m, "state": s})
+    p2 = _tiny(seed=99)  # other values: everything must come from the file
+    m2 = mpfunc.init_master(p2, strategy=strategy, seed=6)
+    s2 = opt.init(m2)
+    mpfunc.load_(tmp_path / "ckpt.pt", {"masters": m2, "state": s2})
+    if strategy == "fp32":
+        mpfunc.masters_to_model_(m2, p2)
+    for g in grads[2:]:
+        mpfunc.apply_update_(m, g, s, opt, params=p)
+        mpfunc.apply_update_(m2, g, s2, opt, params=p2)
+    _assert_same_bits({"m": m, "s": s, "p": p}, {"m": m2, "s": s2, "p": p2}, "resumed")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pure_form_leaves_inputs_and_agrees(strategy: str) -> None:
+    p = _tiny()
+    m = mpfunc.init_master(p, strategy=strategy)
+    opt = mpfunc.adamw(lr=1e-2)
+    s = opt.init(m)
+    g = {k: torch.ones_like(v) for k, v in p.items()}
+    before = {k: v.clone() for k, v in mpfunc.state_dict({"m": m, "s": s}).items()}
+    new_m, new_s = mpfunc.apply_update(m, {k: v.float() for k, v in g.items()}, s, opt)
+    _assert_same_bits(mpfunc.state_dict({"m": m, "s": s}), before, "inputs untouched")
+    mpfunc.apply_update_(m, {k: v.float() for k, v in g.items()}, s, opt)
+    _assert_same_bits({"m": new_m, "s": new_s}, {"m": m, "s": s}, "pure == in place")
+
+
+def test_lossless_bf16_checkpoint(tmp_path: Any) -> None:
+    """The model's own bf16 state_dict plus the remainder sidecar rebuild the exact fp32
+    masters."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(BF16)
+    params = dict(model.named_parameters())
+    m = mpfunc.init_master(params, strategy="remainder")
+    opt = mpfunc.adamw(lr=1e-3)
+    s = opt.init(m)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in params.items()}
+        mpfunc.apply_update_(m, g, s, opt, params=params)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save(mpfunc.remainders_state_dict(m), tmp_path / "remainders.pt")
+    sd = torch.load(tmp_path / "model.pt", weights_only=True)
+    side = torch.load(tmp_path / "remainders.pt", weights_only=True)
+    rebuilt = mpfunc.masters_from_remainders(sd, side)
+    _assert_same_bits(rebuilt, mpfunc.masters_state_dict(m), "rebuilt masters")
+    moved = sum(int((r.view(torch.int32) & 0xFFFF).ne(0).sum()) for r in rebuilt.values())
+    assert moved > 0  # the low halves carry real information
+
+
+def test_loading_never_casts_state(tmp_path: Any) -> None:
+    p = _tiny()
+    m = mpfunc.init_master(p)
+    s16 = mpfunc.adamw(state_dtype=torch.bfloat16).init(m)
+    mpfunc.save(tmp_path / "s.pt", s16)
+    s32 = mpfunc.adamw().init(m)
+    snap = {k: v.clone() for k, v in mpfunc.state_dict(s32).items()}
+    with pytest.raises((TypeError, ValueError), match="bfloat16"):
+        mpfunc.load_(tmp_path / "s.pt", s32)
+    _assert_same_bits(mpfunc.state_dict(s32), snap, "nothing written")
+
+
+def _raises(exc: type[Exception], match: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+    from support.helpers import assert_unchanged, snapshot
+
+    before = snapshot((args, kwargs))
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+    assert_unchanged((args, kwargs), before)
+
+
+def test_errors_name_the_path_and_write_nothing() -> None:
+    f32 = {"a": torch.zeros(4), "b": torch.zeros(4, dtype=BF16)}
+    _raises(ValueError, r"init_master: at 'params\.a': expected a param the 'remainder' "
+            r"strategy applies to, got torch\.float32 .*Use the 'fp32' strategy",
+            mpfunc.init_master, f32, strategy="remainder")  # fmt: skip
+    f16 = {"h": torch.zeros(4, dtype=torch.float16)}
+    _raises(ValueError, r"at 'params\.h'.*'stochastic'.*float16.*'kahan'",
+            mpfunc.init_master, f16, strategy="stochastic")  # fmt: skip
+    _raises(ValueError, r"strategy: expected a strategy name .*'fp32'.*got 'fp8'",
+            mpfunc.init_master, f32, strategy="fp8")  # fmt: skip
+    _raises(
+        ValueError,
+        r"strategy\('b'\): expected a strategy name",
+        mpfunc.init_master,
+        f32,
+        strategy=lambda path, p: "x" if path == "b" else "fp32",
+    )
+    _raises(ValueError, r"params and strategy must have the same tree structure",
+            mpfunc.init_master, f32, strategy={"a": "fp32"})  # fmt: skip
+    bias = {"bias": torch.zeros(3, dtype=BF16)}
+    mb = mpfunc.init_master(bias, strategy="stochastic")
+    _raises(ValueError, r"adamw\.init: at 'masters\.bias': expected a leaf of at least 32 "
+            r"elements for state_dtype=torch\.uint8, got 3 elements\. .*partition",
+            mpfunc.adamw(state_dtype=torch.uint8).init, mb)  # fmt: skip
+    _raises(ValueError, r"state_dtype: expected None or one of",
+            mpfunc.adamw, state_dtype=torch.float16)  # fmt: skip
+    p = _tiny()
+    m = mpfunc.init_master(p, strategy="remainder")
+    opt = mpfunc.adamw()
+    s = opt.init(m)
+    g = {k: torch.ones_like(v) for k, v in p.items()}
+    other = {k: v.clone() for k, v in p.items()}
+    _raises(
+        ValueError,
+        r"apply_update_: at 'params\.b': expected the param this "
+        r"RemainderMaster keeps",
+        mpfunc.apply_update_,
+        m,
+        g,
+        s,
+        opt,
+        params=other,
+    )
+    bad = dict(m, w=m["w"]._replace(remainder=torch.zeros(8, 8, dtype=torch.int32)))
+    _raises(
+        ValueError,
+        r"at 'masters\.w': expected a RemainderMaster made by init_master, "
+        r"got its remainder is torch\.int32",
+        mpfunc.apply_update_,
+        bad,
+        g,
+        s,
+        opt,
+    )
+    s8 = mpfunc.adamw(state_dtype=torch.uint8).init(m)
+    _raises(TypeError, r"at 'state\.exp_avg\.b': expected a tensor or None leaf, got QState",
+            mpfunc.apply_update_, m, g, s8, opt)  # fmt: skip
+    s16 = mpfunc.adamw(state_dtype=torch.bfloat16).init(m)
+    _raises(TypeError, r"at 'state\.exp_avg\.b': expected torch\.float32 \(the state's dtype\), "
+            r"got torch\.bfloat16", mpfunc.apply_update_, m, g, s16, opt)  # fmt: skip
+    _raises(TypeError, r"at 'grads\.w': expected a grad no wider than its 32-bit master",
+            mpfunc.apply_update_, m, {"w": g["w"].double(), "b": g["b"]}, s, opt)  # fmt: skip
+
+
+# --- XLA: one stable graph per step ---------------------------------------------------------
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_xla_every_strategy_is_one_stable_graph(
+    xla_device: torch.device, strategy: str, state_dtype: Any
+) -> None:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from support.xla_model import Model, count, fallbacks
+
+    torch.manual_seed(0)
+    model = Model().to(BF16).to(xla_device)
+    params = dict(model.named_parameters())
+    lr = torch.tensor(1e-3, device=xla_device)
+    opt = mpfunc.adamw(lr=lr, state_dtype=state_dtype)
+    masters = mpfunc.init_master(params, strategy=strategy)
+    state = opt.init(masters)
+    stats = mpfunc.init_stats(masters)
+    x = torch.randint(0, 16, (8, 4), device=xla_device)
+    y = torch.randint(0, 16, (8, 4), device=xla_device)
+    torch_xla.sync()
+    mp_fallbacks: dict[str, int] = {}
+
+    def step(k: int) -> None:
+        logits = model(x).float()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 16), y.reshape(-1)).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        before = fallbacks()
+        mpfunc.apply_update_(masters, grads, state, opt, params=params, scale=4.0, stats=stats)
+        for n, v in fallbacks().items():
+            if v != before.get(n, 0):
+                mp_fallbacks[n] = v - before.get(n, 0)
+        for p in model.parameters():
+            p.grad = None
+        lr.fill_(1e-3 * 0.9**k)
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+    for k in range(2):
+        step(k)
+    compiles, executes = count("CompileTime"), count("ExecuteTime")
+    to_host = count("TransferFromDeviceTime")
+    for k in range(2, 5):
+        step(k)
+    assert count("CompileTime") == compiles, "a measured step compiled a new graph"
+    assert count("ExecuteTime") - executes == 3, "expected exactly one graph per step"
+    assert count("TransferFromDeviceTime") == to_host, "a step read a tensor back to the host"
+    assert mp_fallbacks == {}, f"mpfunc fell back to CPU for {mp_fallbacks}"
