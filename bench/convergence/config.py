@@ -74,7 +74,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lr": 5e-5,
         "batch": 4,
         "ctx": 16,
-        "d_model": 16,
+        "d_model": 32,  # uint8 state takes leaves of at least one 32-element block
         "layers": 1,
         "heads": 2,
         "eval_every": 3,
