@@ -26,6 +26,7 @@ class Row(NamedTuple):
     model_dtype: str
     strategy: str | None = None
     state_dtype: str | None = None
+    twin: bool = False  # also step fp32 masters on the same grads, and compare every step
 
 
 STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
@@ -39,7 +40,7 @@ ROWS: dict[str, Row] = {
         Row("bf16", "torch", "bfloat16"),
         Row("mixed", "mixed", "bfloat16", "fp32", "float32"),
         *(
-            Row(f"{s}/{short}", "mpfunc", "bfloat16", s, dtype)
+            Row(f"{s}/{short}", "mpfunc", "bfloat16", s, dtype, twin=s == "remainder")
             for s in STRATEGIES
             for dtype, short in STATE_DTYPES.items()
         ),

@@ -80,6 +80,9 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
                     for k in ("stale", "lost", "unchanged", "ratio")
                 },
             )
+            twins = [r["twin"] for r in ok.values() if r.get("twin")]
+            if twins:
+                entry["twin"] = {k: sum(t[k] for t in twins) for k in twins[0]}
             if row["name"] != IDENTICAL_TO and same_as:
                 pairs = [
                     (r, same_as[s])
@@ -109,6 +112,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         if max_gap is None:
             t["identical_to"] = e.get("identical_to")
             t["first_difference"] = e.get("first_difference")
+            t["twin"] = e.get("twin")
             checks.append(bool(e.get("identical_to")))
         else:
             t["gap_mean"], t["gap_max"] = e["gap_mean"], e["gap_max"]
@@ -191,6 +195,14 @@ def markdown(result: dict[str, Any]) -> str:
             if not t["identical_to"] and t.get("first_difference"):
                 steps = ", ".join(str(i) for i in t["first_difference"])
                 got += f" (the train loss first differs at step {steps}, seed by seed)"
+            tw = t.get("twin")
+            if tw:
+                got += (
+                    f"; beside it, fp32 masters stepped on the same grads: masters differ after "
+                    f"{tw['master_steps_differ']} of {tw['steps']} steps, params differ from "
+                    f"their `Tensor.to` at {tw['params_differ']} (element, step) pairs, "
+                    f"{tw['params_differ_at_ties']} of them at exact ties (low 16 bits 0x8000)"
+                )
         else:
             got = (
                 f"{t['bytes_per_param']:.2f} B/param, gap {_pct(t['gap_mean'])} "

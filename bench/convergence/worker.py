@@ -193,6 +193,8 @@ class Trainer:
         self.params = dict(self.model.named_parameters())
         self.n = sum(p.numel() for p in self.params.values())
         self.diag = Diag()
+        self.extra_s = 0.0  # time spent on the twin, left out of step times
+        self.twin: Twin | None = None
         self.setup(cfg, seed)
 
     def setup(self, cfg: dict[str, Any], seed: int) -> None:
@@ -258,6 +260,53 @@ class TorchTrainer(Trainer):
         self.diag.add(step, stale / self.n, unchanged / self.n, unchanged / self.n, ratio)
 
 
+class Twin:
+    """Plain fp32 masters stepped beside a row on the same grads, with the same
+    optimizer settings: does the row's strategy hold exactly these masters, every step,
+    and are its params exactly ``Tensor.to(torch.bfloat16)`` of them?
+
+    A training run cannot say so by itself: one param that differs changes the next
+    forward pass, and the two runs part for good.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], opt: Any) -> None:
+        self.masters = mpfunc.init_master(params)
+        self.opt = opt  # the row's own optimizer: the same hyperparameters, the same lr
+        self.state = opt.init(self.masters)
+        self.steps = 0
+        self.master_steps_differ = 0  # steps after which some master differed
+        self.masters_differ = 0  # (element, step) pairs
+        self.params_differ = 0  # params that are not Tensor.to of the twin's master
+        self.params_differ_at_ties = 0  # ... whose master's low 16 bits are 0x8000
+
+    def step(
+        self,
+        grads: dict[str, torch.Tensor],
+        values: dict[str, torch.Tensor],
+        params: dict[str, torch.Tensor],
+    ) -> None:
+        """One twin step on ``grads``; ``values`` are the row's fp32 masters after its step."""
+        mpfunc.apply_update_(self.masters, grads, self.state, self.opt)
+        self.steps += 1
+        differ = sum(int((values[k] != m).sum()) for k, m in self.masters.items())
+        self.masters_differ += differ
+        self.master_steps_differ += differ > 0
+        for k, m in self.masters.items():
+            d = params[k].detach() != m.to(torch.bfloat16)
+            self.params_differ += int(d.sum())
+            low = m.view(torch.int32) & 0xFFFF
+            self.params_differ_at_ties += int((d & (low == 0x8000)).sum())
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "steps": self.steps,
+            "master_steps_differ": self.master_steps_differ,
+            "masters_differ": self.masters_differ,
+            "params_differ": self.params_differ,
+            "params_differ_at_ties": self.params_differ_at_ties,
+        }
+
+
 class MpfuncTrainer(Trainer):
     """A bf16 model trained through mpfunc: ``init_master(strategy=)``,
     ``adamw(state_dtype=)`` and one ``apply_update_(..., params=)`` on the bf16 grads
@@ -279,6 +328,7 @@ class MpfuncTrainer(Trainer):
             if row.kind == "mixed"
             else None
         )
+        self.twin = Twin(self.params, self.opt) if row.twin else None
 
     def held(self) -> list[Any]:
         return [self.params, self.masters, self.state, self.g32]
@@ -307,6 +357,10 @@ class MpfuncTrainer(Trainer):
             mpfunc.grads_to_fp32_(grads, self.g32)
             mpfunc.apply_update_(self.masters, self.g32, self.state, self.opt, stats=stats)
             mpfunc.masters_to_model_(self.masters, self.params)
+        if self.twin is not None:
+            t0 = time.perf_counter()
+            self.twin.step(grads, self.fp32_values(), self.params)
+            self.extra_s += time.perf_counter() - t0
         if not diag:
             return
         values_after = self.fp32_values()
@@ -375,10 +429,10 @@ def _train(row: Row, start: Start, log: Log) -> dict[str, Any]:
     for i in range(steps):
         x, y = windows(corpus.train, batches.train[i], cfg["ctx"])
         diag = i % every == every - 1
-        t0 = time.perf_counter()
+        t0, extra0 = time.perf_counter(), trainer.extra_s
         train_loss.append(trainer.step(x, y, lr_at(i, steps, cfg["lr"]), i, diag))
         if not diag:  # diagnostic steps do extra work: left out of the step times
-            step_s.append(time.perf_counter() - t0)
+            step_s.append(time.perf_counter() - t0 - (trainer.extra_s - extra0))
         if (i + 1) % cfg["eval_every"] == 0 or i + 1 == steps:
             val_curve.append((i + 1, evaluate(trainer.model, batches.curve)))
     final_val = evaluate(trainer.model, batches.val)
@@ -401,6 +455,9 @@ def _train(row: Row, start: Start, log: Log) -> dict[str, Any]:
         "step_ms_median": step_ms,
         "wall_s": wall,
         "diag": trainer.diag.summary(),
+        "twin": trainer.twin.summary()
+        if isinstance(trainer, MpfuncTrainer) and trainer.twin
+        else None,
         "params_sha256": digest({k: p.detach() for k, p in trainer.params.items()}),
         "fp32_sha256": digest(trainer.fp32_values()),
     }
