@@ -66,6 +66,11 @@ def test_convergence_smoke(tmp_path: Path) -> None:
         assert runs["bf16", s]["diag"]["lost"] == runs["bf16", s]["diag"]["unchanged"]
         assert runs["remainder/f32", s]["diag"]["lost"] < runs["bf16", s]["diag"]["lost"]
 
+        # Remainder rows carry an fp32 twin stepped on the same grads, compared every step.
+        twin = runs["remainder/f32", s]["twin"]
+        assert twin["steps"] == steps and twin["params_differ_at_ties"] <= twin["params_differ"]
+        assert runs[REFERENCE, s]["twin"] is None
+
     summary = {e["row"]: e for e in result["summary"]}
     assert set(summary) == set(DEFAULT_ROWS)
     assert summary["remainder/f32"]["identical_to"] is True

@@ -28,6 +28,9 @@ final validation loss and its gap to fp32 (mean and spread), the stale and lost
 update fractions and the update-to-weight RMS ratio (every ``diag_every`` steps,
 from ``apply_update_(stats=)``), the persistent bytes per parameter counted from the
 tensors held between steps, and the median step time; and a PNG of the curves.
+Each ``remainder`` row also steps plain fp32 masters beside it on the same grads and
+compares the two every step, since one param that differs in one bit sends a run on
+another trajectory, and a whole-run comparison then cannot say why.
 
     python -m bench.convergence                 # about 12 minutes of one idle core
     python -m bench.convergence --smoke --out /tmp/c
