@@ -53,6 +53,7 @@ from mpfunc._partition import partition
 from mpfunc._policy import Policy
 from mpfunc._quantize import QState
 from mpfunc._sgd import SGDState, sgd
+from mpfunc._sharding import mark_sharding_
 from mpfunc._strategy_kahan import KahanMaster
 from mpfunc._strategy_none import RoundedMaster
 from mpfunc._strategy_remainder import RemainderMaster
@@ -104,6 +105,7 @@ __all__ = [
     "load_",
     "load_state_dict",
     "load_state_dict_",
+    "mark_sharding_",
     "masters_from_remainders",
     "masters_state_dict",
     "masters_to_model",

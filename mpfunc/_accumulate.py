@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _dtensor, _gc, _plan, _tree
+from mpfunc import _checks, _dtensor, _gc, _plan, _sharding, _tree
 from mpfunc._checks import Like, Side
 from mpfunc._init_master import check_params, master_dtype_for
 
@@ -38,8 +38,11 @@ def init_grads(params: Any, dtype: torch.dtype | None = None) -> Any:
     return _tree.unflatten(
         spec,
         [
-            torch.zeros_like(
-                p, dtype=master_dtype_for(p, dtype), memory_format=torch.preserve_format
+            _sharding.like_(
+                torch.zeros_like(
+                    p, dtype=master_dtype_for(p, dtype), memory_format=torch.preserve_format
+                ),
+                p,
             )
             if p is not None and p.is_floating_point()
             else None

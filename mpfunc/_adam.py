@@ -1,8 +1,11 @@
 """``adam`` and ``adamw``: Adam over master trees, three implementations of one step.
 
+* ``native``: mpfunc's own CPU kernel (``_native.adam_kernel``), bit-identical to
+  ``fused`` for finite values, that also takes low-precision grads and writes rounded
+  params in the same pass. Default on CPU where it builds and the layouts allow.
 * ``fused``: torch's own fused kernels (``torch._fused_adam_``/``_fused_adamw_``),
-  the ones ``torch.optim.Adam(fused=True)`` runs. Default on CPU and CUDA where the
-  leaf's tensors share one dense layout (``_plan`` decides).
+  the ones ``torch.optim.Adam(fused=True)`` runs. Default on CUDA, and on CPU without
+  ``native``, where the leaf's tensors share one dense layout (``_plan`` decides).
 * ``foreach``: a sync-free chain of ``torch._foreach_*`` ops. Default on XLA,
   where it traces into one graph with no host read.
 * ``reference``: the same math as ``foreach``, one tensor at a time, to read.
@@ -19,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _plan
+from mpfunc import _checks, _native, _plan
 from mpfunc._checks import LRArg
 from mpfunc._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
 
@@ -186,7 +189,10 @@ def _fused(group: Group, h: AdamHyper) -> None:
 
 
 def _rule(name: str) -> Rule:
-    kernels = {"reference": _reference, "foreach": _foreach, "fused": _fused}
+    kernels = {
+        "reference": _reference, "foreach": _foreach, "fused": _fused,
+        "native": _native.adam_kernel,
+    }  # fmt: skip
     return Rule(name=name, state_type=AdamState, fields=_fields, kernels=kernels)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _strategy, _tree
+from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _sharding, _strategy, _tree
 from mpfunc._checks import Like
 from mpfunc._diagnostics import UpdateStats
 from mpfunc._loss_scale import ScaleArg
@@ -168,7 +168,8 @@ def apply_update(
     leaves = _tree.flatten(new_masters, units=True)[0]
     m = step.masters._replace(tree=new_masters, leaves=leaves)
     faces = [_strategy.face(x) for x in leaves]
-    _run(opt.plan(step._replace(masters=m, faces=faces), new_state, fn))
+    with _sharding.kept(_sharding.tensors(new_masters, new_state)):
+        _run(opt.plan(step._replace(masters=m, faces=faces), new_state, fn))
     return new_masters, new_state
 
 
@@ -223,5 +224,7 @@ def apply_update_(
     """
     fn = "apply_update_"
     step = _check(fn, masters, grads, opt, skip, params, scale, stats)
-    _run(opt.plan(step, state, fn))
+    # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).
+    with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
+        _run(opt.plan(step, state, fn))
     return masters, state

@@ -45,7 +45,7 @@ from typing import IO, Any, Union, cast
 
 import torch
 
-from mpfunc import _checks, _remainder, _strategy, _tree
+from mpfunc import _checks, _remainder, _sharding, _strategy, _tree
 from mpfunc._strategy_remainder import RemainderMaster
 
 try:  # advisory locks mark a temporary file as in use; POSIX only
@@ -244,7 +244,9 @@ def _fresh(keys: list[str | None], leaves: list[Any], spec: Any, sd: dict[str, A
     out: list[Any] = []
     with torch.no_grad():
         for key, t in zip(keys, leaves):
-            out.append(None if key is None else torch.empty_like(t).copy_(sd[key]))
+            # like_: the leaf's XLA SPMD sharding (empty_like and copy_ lose it).
+            new = None if key is None else torch.empty_like(t).copy_(sd[key])
+            out.append(None if new is None else _sharding.like_(new, t))
     return _tree.unflatten(spec, out)
 
 
@@ -357,7 +359,7 @@ def _write_into(
                     break
                 pos += 1
         sources.append(v)
-    with torch.no_grad():
+    with torch.no_grad(), _sharding.kept(t for _, t, _ in pairs):
         for (_, t, _), v in zip(pairs, sources):
             t.copy_(v)
 

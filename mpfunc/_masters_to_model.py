@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _gc, _plan, _strategy, _tree
+from mpfunc import _checks, _gc, _plan, _sharding, _strategy, _tree
 from mpfunc._checks import Like, Side
 
 __all__ = ["masters_to_model", "masters_to_model_"]
@@ -15,14 +15,18 @@ _PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
                what="a floating-point parameter for this master", spare=True)  # fmt: skip
 
 
-def _check(fn: str, masters: Any, params: Any) -> tuple[Side, Side, Any]:
+def _check(fn: str, masters: Any, params: Any, in_place: bool) -> tuple[Side, Side, Any]:
     """Masters (a unit stands for its param: it holds the rounded master already) and
     params, checked; returns the masters as the tensors to round from."""
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
     p, p_spec = _checks.tensor_leaves(fn, "params", params)
     _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
+    units = [_strategy.by_unit(x) is not None for x in m.leaves]
     m = m._replace(leaves=[_strategy.face(x) for x in m.leaves])
     _checks.check_pairs(fn, m, p, _PARAMS)
+    if in_place:  # a unit's param that IS the param was written by the step: no copy
+        m = m._replace(leaves=[None if u and t is q else t
+                               for t, q, u in zip(m.leaves, p.leaves, units)])  # fmt: skip
     return m, p, p_spec
 
 
@@ -47,9 +51,13 @@ def masters_to_model(masters: Any, params: Any) -> Any:
       TypeError: a master is not float32/float64 or its parameter is not floating point.
       ValueError: the trees differ in structure, or a shape or device differs.
     """
-    m, p, spec = _check("masters_to_model", masters, params)
+    m, p, spec = _check("masters_to_model", masters, params, in_place=False)
     with torch.no_grad():
-        out = [q if t is None else _plan.fresh_copy(t, q.dtype) for t, q in zip(m.leaves, p.leaves)]
+        # Each new param has its param's XLA SPMD sharding, not its master's (ZeRO-1).
+        out = [
+            q if t is None else _sharding.like_(_plan.fresh_copy(t, q.dtype), q)
+            for t, q in zip(m.leaves, p.leaves)
+        ]
     return _tree.unflatten(spec, out)
 
 
@@ -76,9 +84,7 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
       Nothing is written unless every check passes.
     """
     fn = "masters_to_model_"
-    m, p, _ = _check(fn, masters, params)
-    # A unit's param that IS the param was written by the step: nothing to copy.
-    m = m._replace(leaves=[None if t is q else t for t, q in zip(m.leaves, p.leaves)])
+    m, p, _ = _check(fn, masters, params, in_place=True)
     written = p.where_present(m.leaves)
     _checks.check_writable(fn, [written])
     _checks.check_no_alias(fn, written=[written], read=[m])

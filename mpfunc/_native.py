@@ -1,52 +1,72 @@
-"""mpfunc's native CPU kernel: the whole mixed-precision Adam/AdamW step in one pass.
+"""mpfunc's native CPU kernels: the mixed-precision Adam/AdamW step in one pass, and casts.
 
-``adam_mixed_`` reads each low-precision grad, fp32 master and moment once and writes
-the master, the moments and the rounded low-precision param once: 28 bytes per element
-for bf16 grads and params, where ``grads_to_fp32_`` + fused AdamW + ``masters_to_model_``
-move 40. Its results are bit-identical to that three-call path (torch's fused CPU
-kernel on fp32 grads, then ``Tensor.to``) for non-NaN values, tested against torch 2.9's
-AVX512, AVX2 and DEFAULT kernels; NaN lands in the same places, with payload bits not
-promised. ``csrc/adam_mixed.cpp`` says which operation order it reproduces and why.
+``adam_kernel`` (the ``"native"`` kernel of ``adam``/``adamw``) reads each grad (fp32,
+bf16 or fp16), fp32 master and moment once and writes the master, the moments and, when
+the group has ``model`` tensors, the rounded low-precision param once: 28 bytes per
+element for bf16 grads and params, where ``grads_to_fp32_`` + fused AdamW +
+``masters_to_model_`` move 40. Its results are bit-identical to that three-call path
+(torch's fused CPU kernel on the fp32 grads divided by ``scale``, then ``Tensor.to``) for
+non-NaN values (tested against torch 2.9's AVX512, AVX2 and DEFAULT kernels, and 2.4's
+AVX512); NaN
+lands in the same places, with payload bits not promised. ``cast_`` converts lists of
+tensors between float32 and bfloat16/float16 bit for bit as ``Tensor.to`` does, NaN
+included (mpfunc uses it only for the dtype pairs where torch's own NaN bits do not
+depend on its thread split; see ``cast_agrees``). ``csrc/adam_mixed.cpp`` says which
+operation order it reproduces and why.
 
-The C++ source is compiled on first use with ``torch.utils.cpp_extension.load`` (a C++
-compiler and ninja; about 30 s to 3 min, most of it torch's headers) and cached in
-torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions/<python>_<cpu|cuXYZ>/mpfunc_native_<hash>/``), the hash
-covering the source, the torch version and the compiler flags: a new torch, source or
-CPU capability builds once more, and concurrent first builds wait on torch's lock.
-Where it cannot be built or loaded, ``load`` raises ``NativeUnavailable`` (an
-``ImportError``) with the reason, once per process, and callers fall back to the
-three-call path. ``MPFUNC_NATIVE=0`` in the environment turns it off.
+The C++ source is compiled on first use (``available()``) with
+``torch.utils.cpp_extension`` (a C++ compiler and the system's ``ninja``; 30 s to 3 min,
+most of it torch's headers) and cached in ``$TORCH_EXTENSIONS_DIR`` if set, else
+``$MPFUNC_HOME/native`` (default ``~/.cache/mpfunc/native``), one folder per hash of the
+source, the torch and Python versions, the compiler and its flags: a new torch, source or
+CPU capability builds once more, and concurrent first builds wait on torch's lock. Where
+it cannot be built or loaded, mpfunc uses torch's kernels instead and warns once per
+process (``NativeFallbackWarning``); ``MPFUNC_NATIVE=0`` turns it off without a warning.
+``python -m mpfunc._native`` builds it ahead of time and prints where and how long.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
+import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
+if TYPE_CHECKING:
+    from mpfunc._optimizer import Group
+
 __all__ = [
     "NativeBuildError",
+    "NativeFallbackWarning",
     "NativeUnavailable",
+    "adam_kernel",
     "adam_mixed_",
     "available",
     "build_info",
+    "cast_",
+    "cast_agrees",
+    "casts",
     "load",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "adam_mixed.cpp"
 _ENV_SWITCH = "MPFUNC_NATIVE"
+# Where ninja lives when a minimal PATH (cron, some CI runners) leaves it out.
+_NINJA_DIRS = ("/usr/bin", "/usr/local/bin")
+
+_log = logging.getLogger("mpfunc")
 
 
 class NativeUnavailable(ImportError):
@@ -61,9 +81,14 @@ class NativeBuildError(NativeUnavailable):
     """
 
 
+class NativeFallbackWarning(RuntimeWarning):
+    """mpfunc's native CPU kernel is unavailable; torch's kernels run instead (slower)."""
+
+
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
 _error: Optional[NativeUnavailable] = None
+_warned = False
 _info: dict[str, Any] = {}
 
 
@@ -94,17 +119,54 @@ def _cflags() -> list[str]:
     return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", *_isa_flags()]
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
 def _build_name(cflags: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(cflags).encode()):
-        h.update(part)
+    for part in (
+        _SOURCE.read_bytes(),
+        torch.__version__,
+        str(getattr(torch.version, "git_version", "")),
+        f"{sys.implementation.cache_tag} {platform.machine()}",
+        shutil.which(_compiler()) or _compiler(),
+        " ".join(cflags),
+    ):
+        h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
     return f"mpfunc_native_{h.hexdigest()[:16]}"
 
 
+def cache_dir() -> Path:
+    """The folder holding one build folder per source/torch/flags hash."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    home = os.environ.get("MPFUNC_HOME") or os.path.join("~", ".cache", "mpfunc")
+    return Path(home).expanduser() / "native"
+
+
+def _disabled() -> bool:
+    return os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _find_ninja() -> Optional[str]:
+    """The ninja that torch's build runs by name: on PATH, else the system's (then put on
+    this process's PATH, which torch's build reads)."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    for d in _NINJA_DIRS:
+        found = shutil.which("ninja", path=d)
+        if found:
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return found
+    return None
+
+
 def _why_not() -> Optional[str]:
     """Why the kernel cannot be built here, checked without running a compiler."""
-    if os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if _disabled():
         return f"disabled by {_ENV_SWITCH}={os.environ[_ENV_SWITCH]}"
     if sys.platform == "win32":
         return "the native kernel is built with GCC/Clang flags; Windows is not supported"
@@ -114,43 +176,88 @@ def _why_not() -> Optional[str]:
         return "macOS is not supported (Apple clang has no OpenMP)"
     if not _SOURCE.is_file():
         return f"its source {_SOURCE} is missing from this installation"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} is not on PATH; set CXX)"
-    if not _ninja_on_path():
-        return "ninja is not available (pip install ninja)"
+    if shutil.which(_compiler()) is None:
+        return f"no C++ compiler ({_compiler()!r} is not on PATH; set CXX)"
+    if _find_ninja() is None:
+        return "ninja is not installed (e.g. apt-get install ninja-build)"
     return None
 
 
-def _ninja_dirs() -> list[str]:
-    """Where a pip-installed ninja lives when its environment's bin is not on PATH."""
-    dirs = [os.path.dirname(sys.executable)]
+def _build(name: str, cflags: list[str]) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cached = (build_dir / f"{name}.so").is_file()
+    if not cached:
+        _log.warning(
+            "mpfunc: building the native CPU kernel in %s (once per torch version; "
+            "30 s to 3 min)", build_dir,
+        )  # fmt: skip
+    start = time.perf_counter()
+    if cached:
+        # The folder's name is a hash of everything the build depends on, so a library
+        # there is this build: import it directly, without torch's ninja freshness check
+        # (seconds per process; every torchrun worker would pay it).
+        module = _import_built(name, build_dir / f"{name}.so")
+        if module is not None:
+            seconds = time.perf_counter() - start
+            _info.update(name=name, path=module.__file__, cflags=cflags, cached=True,
+                         load_s=seconds, build_s=None)  # fmt: skip
+            return module
+    # torch's build warns about compilers it did not test (UserWarning); those are not
+    # the caller's warnings, and under ``-W error`` they would abort a working build.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    for w in caught:
+        _log.info("mpfunc: while building the native kernel: %s", w.message)
+    seconds = time.perf_counter() - start
+    if not isinstance(module, ModuleType):
+        raise ImportError(f"loaded {module!r}, not a module")
+    _info.update(
+        name=name,
+        path=getattr(module, "__file__", None),
+        cflags=cflags,
+        cached=cached,
+        load_s=seconds,
+        build_s=None if cached else seconds,
+    )
+    if not cached:
+        _log.warning("mpfunc: built the native CPU kernel in %.0f s", seconds)
+    return module
+
+
+def _import_built(name: str, path: Path) -> Optional[ModuleType]:
+    """Imports an already built extension, or returns None (then torch's load rebuilds)."""
+    import importlib.machinery
+    import importlib.util
+
     try:
-        bin_dir = getattr(importlib.import_module("ninja"), "BIN_DIR", None)
-    except ImportError:
-        bin_dir = None
-    if isinstance(bin_dir, str):
-        dirs.insert(0, bin_dir)
-    return dirs
-
-
-def _ninja_on_path() -> bool:
-    """Whether ``ninja`` runs by name, as torch's build calls it; puts a pip-installed
-    ninja on this process's PATH when the virtual environment is not activated."""
-    if shutil.which("ninja"):
-        return True
-    for d in _ninja_dirs():
-        if shutil.which("ninja", path=d):
-            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
-            return True
-    return False
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+        if spec is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    sys.modules[name] = module
+    return module
 
 
 def load() -> ModuleType:
     """Builds (first time only) and imports the native module, once per process.
 
     Returns:
-      The extension module, with ``adam_mixed_``.
+      The extension module, with ``adam_mixed_`` and ``cast_``.
 
     Raises:
       NativeUnavailable: no compiler or ninja, the platform is not supported, or
@@ -170,47 +277,46 @@ def load() -> ModuleType:
         if reason is not None:
             _error = NativeUnavailable(f"mpfunc native kernel unavailable: {reason}")
             raise _error
-        from torch.utils import cpp_extension
-
-        cflags = _cflags()
-        name = _build_name(cflags)
-        start = time.perf_counter()
         try:
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=cflags,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except (RuntimeError, OSError, ImportError, ValueError) as e:
+            module = _build(_build_name(_cflags()), _cflags())
+        except (RuntimeError, OSError, ImportError, ValueError, subprocess.SubprocessError) as e:
             _error = NativeBuildError(f"mpfunc native kernel unavailable: build failed: {e}")
             raise _error from e
-        if not isinstance(module, ModuleType):
-            _error = NativeBuildError(f"mpfunc native kernel unavailable: loaded {module!r}")
-            raise _error
-        _info.update(
-            name=name,
-            path=getattr(module, "__file__", None),
-            cflags=cflags,
-            load_s=time.perf_counter() - start,
-        )
         _module = module
         return module
 
 
 def available() -> bool:
-    """Whether ``load`` succeeds here (building the kernel on the first call)."""
+    """Whether the native kernels can run here, building them on the first call.
+
+    When they cannot (no compiler, no ninja, a failed build), warns once per process
+    with the reason, and returns False: callers use torch's kernels. ``MPFUNC_NATIVE=0``
+    returns False without a warning.
+    """
+    global _warned
+    if _module is not None:
+        return True
     try:
         load()
-    except NativeUnavailable:
+    except NativeUnavailable as e:
+        if not _warned and not _disabled():
+            _warned = True
+            warnings.warn(
+                f"{e}; using torch's kernels instead (set {_ENV_SWITCH}=0 to silence this)",
+                NativeFallbackWarning,
+                stacklevel=2,
+            )
         return False
     return True
 
 
 def build_info() -> dict[str, Any]:
-    """Where the loaded module lives, its flags, and how long the first ``load`` took."""
+    """Where the loaded module lives, its flags, whether it was cached, and the seconds
+    the first ``load`` took (``build_s``: compiling, None when it came from the cache)."""
     return dict(_info)
+
+
+# --- the optimizer kernel -------------------------------------------------------------------
 
 
 def adam_mixed_(
@@ -243,7 +349,7 @@ def adam_mixed_(
       params_out[i] = masters[i].to(params_out[i].dtype)   # if params_out
 
     The result equals ``torch._fused_adam_``/``torch._fused_adamw_`` on ``g`` with the
-    incremented steps (bit for bit for finite values on x86 torch 2.9), then
+    incremented steps (bit for bit for finite values on x86 torch 2.4 to 2.9), then
     ``params_out[i].copy_(masters[i])``.
 
     Args:
@@ -257,8 +363,8 @@ def adam_mixed_(
       beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize: as in
         ``torch.optim.Adam``/``AdamW``; ``decoupled`` selects AdamW's weight decay.
       grad_scale: a one-element float CPU tensor the grads are divided by, or ``None``.
-      found_inf: a one-element float CPU tensor; when it is nonzero nothing is written,
-        step counts included.
+      found_inf: a one-element float or bool CPU tensor; when it is nonzero nothing is
+        written, step counts included.
 
     Every tensor of a leaf must have the master's shape. Leaves whose tensors are all
     dense with the master's strides (contiguous, or permuted alike) are updated in
@@ -278,3 +384,122 @@ def adam_mixed_(
         float(eps), float(weight_decay), bool(decoupled), bool(amsgrad), bool(maximize),
         grad_scale, found_inf,
     )  # fmt: skip
+
+
+def adam_kernel(group: Group, h: Any) -> None:
+    """``adam``/``adamw``'s ``"native"`` kernel: the whole group in one call, one pass.
+
+    Honours the kernel contract: grads in fp32 or low precision are divided by
+    ``group.scale`` when it is set; ``group.skip`` (the kernel's ``found_inf``) leaves
+    every tensor and step count bit-identical; ``group.model``, when set, receives the
+    rounded masters. ``_plan`` picks it only for CPU groups with fp32 masters and state,
+    one grad dtype and one model dtype, every tensor of a leaf sharing one dense layout.
+    """
+    s = group.state
+    adam_mixed_(
+        group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step,
+        group.model, lr=group.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+        weight_decay=h.weight_decay, decoupled=h.decoupled, amsgrad=h.amsgrad,
+        maximize=h.maximize, grad_scale=group.scale, found_inf=group.skip,
+    )  # fmt: skip
+
+
+# --- casts ------------------------------------------------------------------------------------
+
+# (to, from) pairs cast_ converts, each bit for bit as Tensor.to for every non-NaN value.
+_CASTS = frozenset(
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+     (torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
+)  # fmt: skip
+# Below this many elements in a group, torch's per-tensor copies are as quick.
+CAST_FROM_NUMEL = 1 << 16
+_agreeing: Optional[frozenset[tuple[torch.dtype, torch.dtype]]] = None
+
+
+def casts(to: torch.dtype, of: torch.dtype, numel: int) -> bool:
+    """Whether ``cast_`` is worth trying for a CPU group of ``numel`` elements in all from
+    ``of`` to ``to`` (checked without building; the caller checks layouts, then
+    ``cast_agrees``)."""
+    return (to, of) in _CASTS and numel >= CAST_FROM_NUMEL and not _disabled()
+
+
+def _probe(dtype: torch.dtype) -> list[torch.Tensor]:
+    """NaNs with payloads (quiet, signalling, both signs), ties, subnormals and infinities
+    of ``dtype``, alone and at lengths that end in torch's vector loop and in its scalar
+    tail; for 16-bit types also every pattern."""
+    if dtype.itemsize == 2:
+        raw = [0x7C01, 0x7E00, 0xFC01, 0xFE55, 0x7D23, 0x7F81, 0x7FC0, 0xFF81, 0xFFC1, 0x7FA5,
+               0x0001, 0x8001, 0x7C00, 0x7F80]  # fmt: skip
+        ints, bits = torch.int16, 16
+    else:
+        raw = [0x7FD12345, 0xFF812345, 0x7F800001, 0xFFC00000, 0x7FC00000, 0x3F808000,
+               0x3F818000, 0x00008000, 0x00000001, 0x7F7FFFFF, 0x7F800000, 0x477FF000,
+               0x387FE000, 0x33000001, 0xBF808000]  # fmt: skip
+        ints, bits = torch.int32, 32
+    wrap = [v - (1 << bits) if v >= 1 << (bits - 1) else v for v in raw]
+    special = torch.tensor(wrap, dtype=torch.int64).to(ints).view(dtype)
+    probes = [
+        special,
+        *(special[i : i + 1] for i in range(len(raw))),
+        special.repeat(8)[:7],
+        special.repeat(8)[:39],
+    ]
+    if dtype.itemsize == 2:
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(ints).view(dtype)
+        probes.append(torch.cat([every, special[:7]]))
+    return probes
+
+
+def cast_agrees(to: torch.dtype, of: torch.dtype) -> bool:
+    """Whether ``cast_`` (building it if needed) writes exactly what this torch's
+    ``Tensor.to`` writes from ``of`` to ``to``, NaN bits included.
+
+    Decided once per process by casting probes both ways. torch's CPU casts run its
+    vector conversion on most elements and, for some dtype pairs and versions, a scalar
+    one on each thread's last few, which writes NaNs differently (torch 2.9: float16 to
+    float32; torch 2.4: float32 to float16 as well). No kernel can match bits that
+    depend on torch's thread split, so such pairs stay with torch's copy.
+    """
+    global _agreeing
+    if not available():
+        return False
+    if _agreeing is None:
+        ok = set()
+        with torch.no_grad():
+            for t, o in _CASTS:
+                probes = _probe(o)
+                got = [torch.empty(p.shape, dtype=t) for p in probes]
+                load().cast_(got, probes)
+                ints = {2: torch.int16, 4: torch.int32}[t.itemsize]
+                if all(torch.equal(g.view(ints), p.to(t).view(ints)) for g, p in zip(got, probes)):
+                    ok.add((t, o))
+        _agreeing = frozenset(ok)
+    return (to, of) in _agreeing
+
+
+def cast_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for CPU lists of one dtype pair (see ``casts``), each pair
+    dense with one stride, in one parallel pass: bit for bit ``Tensor.to`` for non-NaN
+    values, and for NaN too where ``cast_agrees``."""
+    load().cast_(list(dst), list(src))
+
+
+def main() -> int:
+    """Builds the kernels now (CI does this before the tests) and says how long it took."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.perf_counter()
+    try:
+        load()
+    except NativeUnavailable as e:
+        print(f"mpfunc native kernel: unavailable: {e}")
+        return 0
+    info = build_info()
+    how = f"built in {info['build_s']:.0f} s" if info["build_s"] is not None else "cached"
+    print(
+        f"mpfunc native kernel: {how} ({time.perf_counter() - start:.1f} s to load), {info['path']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,9 +4,12 @@ torch's multi-tensor kernels take lists whose tensors share one device and one
 dtype. A step's leaves are grouped by (device, dtype, implementation), and each
 group becomes one or more kernel calls (``Work``):
 
-* ``auto`` picks ``fused`` where the rule has a fused kernel, torch has one for
-  the device and dtype, and the leaf's tensors (master, grad, state) are dense
-  with equal strides; otherwise ``foreach``. torch's fused kernels pair elements
+* ``auto`` picks ``native`` on the CPU where the rule has one (mpfunc's own kernel,
+  ``_native``: the whole mixed step in one pass), the master is a plain float32 tensor,
+  the state float32, no stats are asked for, the leaf's tensors (master, grad, state,
+  model param) are dense with equal strides, and the kernel builds here; else ``fused``
+  where the rule has a fused kernel, torch has one for the device and dtype, and the
+  layouts are as for ``native``; otherwise ``foreach``. torch's fused kernels pair elements
   by memory position, so a channels_last master with a contiguous grad would mix
   elements silently: such leaves take the foreach path, which pairs by index.
   An explicit ``impl="fused"`` falls back the same way, leaf by leaf.
@@ -30,6 +33,8 @@ from mpfunc import (
     _checks,
     _diagnostics,
     _dtensor,
+    _native,
+    _sharding,
     _state_format,
     _strategy,
     _strategy_fp32,
@@ -123,13 +128,14 @@ def chunks(
     idx: list[int],
     tensors: Sequence[torch.Tensor | None],
     device: torch.device,
-    limit: int = FOREACH_CHUNK_NUMEL,
+    limit: int | None = None,
 ) -> Iterator[list[int]]:
     """Splits ``idx`` into runs of at most ``FOREACH_CHUNK_NUMEL`` elements (one run on lazy
     devices). A single tensor larger than the limit forms a run of its own."""
     if is_lazy(device):
         yield idx
         return
+    limit = FOREACH_CHUNK_NUMEL if limit is None else limit
     run: list[int] = []
     total = 0
     for i in idx:
@@ -172,15 +178,60 @@ def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     """
     dst, src = _dtensor.locals_(dst), _dtensor.locals_(src)  # DTensors: shard by shard
     keys: list[tuple[object, ...] | None] = [(d.device, d.dtype, s.dtype) for d, s in zip(dst, src)]
-    with torch.no_grad():
+    # Under XLA SPMD, copy_ hands dst the source's sharding: keep dst's own.
+    with torch.no_grad(), _sharding.kept(dst):
         for (device, to, of), idx in group_indices(keys).items():
-            sources = pick(src, idx)
+            targets, sources = pick(dst, idx), pick(src, idx)
+            assert isinstance(device, torch.device)
+            if device.type == "cpu":
+                targets, sources = _native_cast_(to, of, targets, sources)
+                if not targets:
+                    continue
             if to == of and isinstance(device, torch.device) and is_lazy(device):
                 # torch_xla turns copy_ from a tensor's own data into sharing that data,
                 # and even from a clone of it; from a view it traces a node, so dst gets
                 # a buffer of its own at the next sync (exact: a view changes no bit).
                 sources = [s.view_as(s) for s in sources]
-            torch._foreach_copy_(pick(dst, idx), sources)
+            torch._foreach_copy_(targets, sources)
+
+
+def _native_cast_(
+    to: Any, of: Any, dst: list[torch.Tensor], src: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """On the CPU, casts the pairs that share one dense layout with mpfunc's native kernel
+    (one parallel pass with streaming stores, bit for bit ``Tensor.to``) where the dtypes
+    and sizes make it worth it and it builds; returns the pairs left to ``_foreach_copy_``."""
+    fits = [_same_layout([d, s]) for d, s in zip(dst, src)]
+    numel = sum(d.numel() for d, ok in zip(dst, fits) if ok)
+    if not _native.casts(to, of, numel) or not _native.cast_agrees(to, of):
+        return dst, src
+    _native.cast_([d for d, ok in zip(dst, fits) if ok], [s for s, ok in zip(src, fits) if ok])
+    return [d for d, ok in zip(dst, fits) if not ok], [s for s, ok in zip(src, fits) if not ok]
+
+
+_NATIVE_IO = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _native_fits(
+    rule: Rule, m: Any, g: torch.Tensor, stored: list[Any], param: torch.Tensor | None
+) -> bool:
+    """Whether the rule's ``native`` kernel can take this leaf whole: on the CPU, a float32
+    master tensor and float32 state, a grad and model param of the kernel's dtypes, all
+    of one dense layout (it walks memory in order, as torch's fused kernels do). Runs
+    per leaf per step: cheap tests first, each tensor attribute read once."""
+    if "native" not in rule.kernels or not isinstance(m, torch.Tensor):
+        return False
+    if not m.is_cpu or m.dtype != torch.float32:
+        return False
+    if g.dtype not in _NATIVE_IO or (param is not None and param.dtype not in _NATIVE_IO):
+        return False
+    stride = m.stride()
+    for x in stored:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.stride() != stride:
+            return False
+    if g.stride() != stride or (param is not None and param.stride() != stride):
+        return False
+    return m.is_contiguous() or _dense(m)
 
 
 # --- elementwise optimizers ---------------------------------------------------------------
@@ -461,6 +512,19 @@ def _plan_elementwise(
                 f"{', '.join(str(d) for d in _FUSED_DTYPES)}), got {compute} on {f.device}. "
                 "Use impl='auto' or 'foreach'."
             )
+        param = None if model is None else model[i]
+        if (
+            impl == "auto"
+            and plain
+            and step.stats is None  # the native kernel keeps no old values to compare
+            and _native_fits(rule, m, g, stored, param)
+            and _native.available()
+        ):
+            # One grad dtype and one model dtype per call (converted in its loads/stores).
+            keys.append(
+                (f.device, compute, "native", g.dtype, None if param is None else param.dtype)
+            )
+            continue
         # A grad narrower than the step is upcast into a temporary laid out like the master
         # (_run_mixed), so only a full-precision grad's own layout counts.
         tensors = [t for t in (f, g if g.dtype == compute else None, *stored) if t is not None]
@@ -496,6 +560,16 @@ def _plan_elementwise(
         else:
             lr_d = _lr_on(lr, device, torch.zeros(()), cache)
         skip_d = _skip_on(step.skip, device, cache)
+        if kernel_name == "native":  # the whole step, all leaves in one call
+            sliced = {name: pick(f, idx) for name, f in fields.items()}
+            group = Group(
+                pick(masters, idx), pick(grads, idx),
+                state_type(**{n: sliced.get(n) for n in state_type._fields}), lr_d, skip_d,
+                model=None if key[4] is None or model is None else pick(model, idx),
+                scale=None if step.scale is None else _scale_on(step.scale, device, cache),
+            )  # fmt: skip
+            work.append(Work(rule.kernels["native"], group, hyper))
+            continue
         if len(key) == 3:  # direct: the masters are the kernel's own tensors
             runs = [idx] if kernel_name == "fused" else list(chunks(idx, masters, device))
             for run in runs:
@@ -538,7 +612,12 @@ def _zeros(
     kind: str, compute: torch.dtype, face: torch.Tensor, state_dtype: torch.dtype | None
 ) -> Any:
     # The master's layout (channels_last, transposed): fused kernels pair by position.
-    return _state_format.zeros(kind, compute, face, state_dtype)
+    z = _state_format.zeros(kind, compute, face, state_dtype)
+    # Its XLA SPMD sharding too (zeros_like alone comes out replicated): each tensor of
+    # the face's shape (a moment, 8-bit codes; not the per-block scales).
+    for t in _tree.flatten(z)[0]:
+        _sharding.like_(t, face)
+    return z
 
 
 def elementwise(

@@ -28,8 +28,11 @@ _M2 = -1028477387  # 0xC2B2AE35
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int32 values (torch's ``>>`` is arithmetic)."""
-    # ``>>`` (not torch.bitwise_right_shift, which torch_xla 2.9 lowers in s64) then a mask.
-    return (x >> n).bitwise_and_((1 << (32 - n)) - 1)
+    # On non-negative values only: torch_xla 2.9 lowers ``>>`` as a division (truncating,
+    # so not a shift of negative values) and torch.bitwise_right_shift in s64. The sign
+    # bit is put back where a logical shift moves it.
+    low = torch.bitwise_and(x, 0x7FFFFFFF) >> n
+    return low.add_(torch.lt(x, 0).to(torch.int32).mul_(1 << (31 - n)))
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from mpfunc import _sharding
 from mpfunc._strategy import Strategy
 
 __all__ = ["STRATEGY", "KahanMaster"]
@@ -41,7 +42,9 @@ def _why_not(p: torch.Tensor) -> str | None:
 
 
 def _make(p: torch.Tensor, seed: int, index: int) -> KahanMaster:
-    return KahanMaster(p, torch.zeros_like(p, memory_format=torch.preserve_format))
+    # The param's XLA SPMD sharding too (zeros_like alone comes out replicated).
+    c = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return KahanMaster(p, _sharding.like_(c, p))
 
 
 def _load(units: list[Any]) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _plan, _remainder
+from mpfunc import _plan, _remainder, _sharding
 from mpfunc._strategy import Strategy
 
 __all__ = ["STRATEGY", "RemainderMaster"]
@@ -39,7 +39,7 @@ def _why_not(p: torch.Tensor) -> str | None:
 def _make(p: torch.Tensor, seed: int, index: int) -> RemainderMaster:
     # A bf16 value is exactly an fp32 master whose low half is zero.
     r = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
-    return RemainderMaster(p, r)
+    return RemainderMaster(p, _sharding.like_(r, p))  # the param's XLA SPMD sharding
 
 
 def _load(units: list[Any]) -> list[torch.Tensor]:

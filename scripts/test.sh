@@ -24,7 +24,15 @@ oldest() {
   local py
   py="$(bash scripts/env.sh --oldest)"
   echo "== pytest, oldest versions: $("$py" -c "$versions" torch optree)"
+  native "$py"
   env -u MPFUNC_REQUIRE_XLA "$py" -m pytest "$@"
+}
+
+# The native CPU kernel (mpfunc/_native.py) compiles on first use, 30 s to 3 min, cached
+# per torch version under ~/.cache/mpfunc/native: built here, so that no test pays for it
+# and the log says how long it took.
+native() {
+  echo "== $("$1" -m mpfunc._native)"
 }
 
 if [[ "${1:-}" == --oldest ]]; then
@@ -40,6 +48,7 @@ echo "== ruff"
 echo "== mypy"
 "$py" -m mypy
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}" MPFUNC_REQUIRE_XLA=1
+native "$py"
 echo "== pytest: $("$py" -c "$versions" torch torch_xla optree), PJRT_DEVICE=$PJRT_DEVICE"
 if (($#)); then
   exec "$py" -m pytest "$@"

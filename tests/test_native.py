@@ -6,15 +6,14 @@ CPU kernel run on the fp32-upcast (and unscaled) grads, and params bit-identical
 compute, in one pass over memory.
 
 The tests skip only when no toolchain is there to build the kernel (no compiler, no
-ninja, Windows, or ``MPFUNC_NATIVE=0``); a failed build fails them.
+ninja, Windows, or ``MPFUNC_NATIVE=0``); a failed build fails them. How the kernel is
+wired into mpfunc, and the fallback: ``tests/test_native_wiring.py``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -24,21 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpfunc import _native
-from tests.error_table import assert_unchanged, snapshot, tensors
-
-
-def _module() -> Any:
-    try:
-        return _native.load()
-    except _native.NativeBuildError:
-        raise
-    except _native.NativeUnavailable as e:
-        pytest.skip(str(e))
+from tests.support.error_table import assert_unchanged, snapshot, tensors
+from tests.support.native import native_module
 
 
 @pytest.fixture(scope="module")
 def native() -> Any:
-    return _module()
+    return native_module()
 
 
 # --- the reference: the three-call path -----------------------------------------------------
@@ -571,7 +562,7 @@ ERRORS: list[tuple[str, Bad, type[Exception], str]] = [
      _msg("masters[0]", "a tensor that can be updated in place",
           "an inference tensor outside torch.inference_mode()")),
     ("int found_inf", _hyper(found_inf=torch.tensor(1)), TypeError,
-     _msg("found_inf", "a one-element floating-point CPU tensor",
+     _msg("found_inf", "a one-element floating-point or bool CPU tensor",
           "torch.int64 tensor of shape () on cpu")),
 ]  # fmt: skip
 
@@ -604,56 +595,11 @@ def test_build_is_cached_and_reported(native: Any) -> None:
     info = _native.build_info()
     assert info["name"].startswith("mpfunc_native_")
     assert info["path"] and info["path"].endswith(".so")
+    assert info["path"].startswith(str(_native.cache_dir()))
     assert "-ffp-contract=off" in info["cflags"]
+    assert info["load_s"] > 0 and (info["cached"] or info["build_s"] > 0)
     assert _native.available()
     assert _native.load() is native  # once per process
-
-
-@pytest.mark.parametrize(
-    ("env", "reason"),
-    [({"MPFUNC_NATIVE": "0"}, "disabled by MPFUNC_NATIVE=0"),
-     ({"CXX": "no-such-compiler-mpfunc"}, "no C++ compiler ('no-such-compiler-mpfunc'")],
-)  # fmt: skip
-def test_unavailable_is_a_clean_import_error(
-    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], reason: str
-) -> None:
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(_native, "_module", None)
-    monkeypatch.setattr(_native, "_error", None)
-    with pytest.raises(ImportError, match=re.escape(reason)) as info:
-        _native.load()
-    assert type(info.value) is _native.NativeUnavailable
-    assert not _native.available()  # the same error again, without a second try
-    with pytest.raises(_native.NativeUnavailable):
-        _native.adam_mixed_(
-            [], [], [], [], None, [], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.0, decoupled=True, amsgrad=False, maximize=False,
-        )  # fmt: skip
-
-
-def test_no_ninja_is_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to keep while ninja goes missing")
-    monkeypatch.setenv("CXX", compiler)
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no ninja on PATH
-    monkeypatch.setattr(_native, "_ninja_dirs", lambda: [str(tmp_path)])
-    reason = _native._why_not()
-    assert reason is not None and "ninja" in reason
-
-
-def test_pip_ninja_outside_path_is_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """A ninja installed into the environment is used even when its bin is not on PATH."""
-    fake = tmp_path / "ninja"
-    fake.write_text("#!/bin/sh\necho 1.11\n")
-    fake.chmod(0o755)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.setattr(_native, "_ninja_dirs", lambda: [str(tmp_path)])
-    assert _native._ninja_on_path()
-    assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path)
 
 
 def test_bias_correction_matches_torch_at_large_steps(native: Any) -> None:

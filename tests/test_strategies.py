@@ -136,7 +136,7 @@ def test_single_pass_equals_three_calls_cpu(data: st.DataObject) -> None:
 
 
 @pytest.mark.xla
-@settings(max_examples=6)
+@settings(max_examples=3)
 @given(data=st.data())
 def test_single_pass_equals_three_calls_xla(xla_device: torch.device, data: st.DataObject) -> None:
     run_single_vs_three(xla_device, data)
@@ -212,7 +212,7 @@ def test_remainder_is_fp32_bit_for_bit_cpu(data: st.DataObject) -> None:
 
 
 @pytest.mark.xla
-@settings(max_examples=5)
+@settings(max_examples=3)
 @given(data=st.data())
 def test_remainder_is_fp32_xla(xla_device: torch.device, data: st.DataObject) -> None:
     run_remainder(xla_device, data)
@@ -575,50 +575,84 @@ def test_errors_name_the_path_and_write_nothing() -> None:
 
 
 @pytest.mark.xla
-@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_xla_every_strategy_is_one_stable_graph(
-    xla_device: torch.device, strategy: str, state_dtype: Any
-) -> None:
+def test_xla_every_strategy_and_state_dtype_is_one_stable_graph(xla_device: torch.device) -> None:
+    """One tree holding every (strategy, state dtype) pair, leaf by leaf (a strategy
+    function and a partition by state dtype): after two warm-up steps, three more steps with
+    the lr changed every step compile nothing, execute one graph each, read nothing back
+    and fall back to the CPU for nothing. The results agree with the same steps on the CPU."""
     import torch_xla
     import torch_xla.core.xla_model as xm
-    from support.xla_model import Model, count, fallbacks
+    from support.xla_model import count, fallbacks
 
-    torch.manual_seed(0)
-    model = Model().to(BF16).to(xla_device)
-    params = dict(model.named_parameters())
-    lr = torch.tensor(1e-3, device=xla_device)
-    opt = mpfunc.adamw(lr=lr, state_dtype=state_dtype)
-    masters = mpfunc.init_master(params, strategy=strategy)
-    state = opt.init(masters)
-    stats = mpfunc.init_stats(masters)
-    x = torch.randint(0, 16, (8, 4), device=xla_device)
-    y = torch.randint(0, 16, (8, 4), device=xla_device)
-    torch_xla.sync()
-    mp_fallbacks: dict[str, int] = {}
+    combos = [(s, d) for s in STRATEGIES for d in STATE_DTYPES]
+    names = [f"{s}_{str(d).replace('torch.', '')}" for s, d in combos]
+    gen = torch.Generator().manual_seed(0)
+    base = {n: torch.randn(4, 32, generator=gen) for n in names}
+    xs = [torch.randn(32, generator=gen) for _ in range(5)]
 
-    def step(k: int) -> None:
-        logits = model(x).float()
-        torch.nn.functional.cross_entropy(logits.reshape(-1, 16), y.reshape(-1)).backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        before = fallbacks()
-        mpfunc.apply_update_(masters, grads, state, opt, params=params, scale=4.0, stats=stats)
-        for n, v in fallbacks().items():
-            if v != before.get(n, 0):
-                mp_fallbacks[n] = v - before.get(n, 0)
-        for p in model.parameters():
-            p.grad = None
-        lr.fill_(1e-3 * 0.9**k)
-        torch_xla.sync()
-        xm.wait_device_ops()
+    def run(device: torch.device) -> tuple[Any, dict[str, int]]:
+        params = {n: v.to(BF16).to(device) for n, v in base.items()}
+        lr = torch.tensor(1e-2, device=device)
+        opts = {str(d): mpfunc.adamw(lr=lr, state_dtype=d) for d in STATE_DTYPES}
+        of = dict(zip(names, combos))
+        opt = mpfunc.partition(opts, lambda path, p: str(of[path][1]))
+        masters = mpfunc.init_master(params, strategy=lambda path, p: of[path][0], seed=3)
+        state = opt.init(masters)
+        stats = mpfunc.init_stats(masters)
+        counts = {"compiles": 0, "graphs": 0, "to_host": 0}
+        mp_fallbacks: dict[str, int] = {}
+        for k, x in enumerate(xs):
+            if device.type == "xla" and k == 2:
+                counts = {"compiles": count("CompileTime"), "graphs": count("ExecuteTime"),
+                          "to_host": count("TransferFromDeviceTime")}  # fmt: skip
+            xd = x.to(device)
+            grads = {n: (p.float() * xd).sin().to(BF16) for n, p in params.items()}
+            before = fallbacks() if device.type == "xla" else {}
+            mpfunc.apply_update_(masters, grads, state, opt, params=params, scale=4.0, stats=stats)
+            if device.type == "xla":
+                for n, v in fallbacks().items():
+                    if v != before.get(n, 0):
+                        mp_fallbacks[n] = v - before.get(n, 0)
+            lr.fill_(1e-2 * 0.9**k)
+            if device.type == "xla":
+                torch_xla.sync()
+                xm.wait_device_ops()
+        if device.type == "xla":
+            counts = {"compiles": count("CompileTime") - counts["compiles"],
+                      "graphs": count("ExecuteTime") - counts["graphs"],
+                      "to_host": count("TransferFromDeviceTime") - counts["to_host"]}  # fmt: skip
+            assert mp_fallbacks == {}, f"mpfunc fell back to CPU for {mp_fallbacks}"
+        return mpfunc.masters_state_dict(masters), counts
 
-    for k in range(2):
-        step(k)
-    compiles, executes = count("CompileTime"), count("ExecuteTime")
-    to_host = count("TransferFromDeviceTime")
-    for k in range(2, 5):
-        step(k)
-    assert count("CompileTime") == compiles, "a measured step compiled a new graph"
-    assert count("ExecuteTime") - executes == 3, "expected exactly one graph per step"
-    assert count("TransferFromDeviceTime") == to_host, "a step read a tensor back to the host"
-    assert mp_fallbacks == {}, f"mpfunc fell back to CPU for {mp_fallbacks}"
+    xla_m, counts = run(xla_device)
+    assert counts == {"compiles": 0, "graphs": 3, "to_host": 0}, counts
+    cpu_m, _ = run(torch.device("cpu"))
+    for n in names:
+        # Within the bound, except where rounding the param itself decides (stochastic draws
+        # and 8-bit codes: one ulp of a param or one code step apart, far below 1e-2).
+        tol = 1e-2 if "stochastic" in n or "uint8" in n else 1e-5
+        err = float((xla_m[n] - cpu_m[n]).abs().max())
+        assert err <= tol * float(cpu_m[n].abs().max()), (n, err)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_three_call_path_keeps_working(strategy: str) -> None:
+    """grads_to_fp32 -> apply_update_ -> masters_to_model_ with any strategy: the same bits
+    as the single pass; masters_to_model_ has nothing left to do for a unit's own param, and
+    the pure masters_to_model returns fresh copies."""
+    pa, pb = _tiny(), _tiny()
+    ma = mpfunc.init_master(pa, strategy=strategy, seed=1)
+    mb = mpfunc.init_master(pb, strategy=strategy, seed=1)
+    opt = mpfunc.adamw(lr=1e-2)
+    sa, sb = opt.init(ma), opt.init(mb)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in pa.items()}
+        mpfunc.apply_update_(ma, mpfunc.grads_to_fp32(g), sa, opt)
+        mpfunc.masters_to_model_(ma, pa)
+        mpfunc.apply_update_(mb, g, sb, opt, params=pb)
+    _assert_same_bits({"m": ma, "s": sa, "p": pa}, {"m": mb, "s": sb, "p": pb}, "paths")
+    fresh = mpfunc.masters_to_model(ma, pa)
+    for k in pa:
+        assert torch.equal(bits(fresh[k]), bits(pa[k])) and fresh[k] is not pa[k]
+        assert fresh[k].untyped_storage().data_ptr() != pa[k].untyped_storage().data_ptr()

@@ -123,7 +123,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="run only transforms containing this text (and the copy_/add_ references)",
+        help="run only transforms containing one of these comma-separated texts (and the "
+        "copy_/add_ references)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")

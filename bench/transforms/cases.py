@@ -222,7 +222,11 @@ def _update_mpfunc(kind: str, impl: str, inplace: bool) -> Callable[[Point], Ste
 
 
 def _torch_optimizer(kind: str, params: list[torch.Tensor], mode: str) -> torch.optim.Optimizer:
-    flags = {"foreach": mode == "foreach", "fused": True if mode == "fused" else None}
+    # "default": what torch.optim picks when told nothing (foreach on CPU and CUDA).
+    if mode == "default":
+        flags: dict[str, Any] = {}
+    else:
+        flags = {"foreach": mode == "foreach", "fused": True if mode == "fused" else None}
     if kind == "sgd":
         return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, **flags)
     if kind == "adam":
@@ -231,7 +235,7 @@ def _torch_optimizer(kind: str, params: list[torch.Tensor], mode: str) -> torch.
 
 
 def _update_torch(kind: str, mode: str) -> Callable[[Point], Step]:
-    """torch.optim on the same fp32 tree: ``mode`` is loop, foreach or fused."""
+    """torch.optim on the same fp32 tree: ``mode`` is loop, foreach, fused or default."""
 
     def build(pt: Point) -> Step:
         params = []
@@ -257,6 +261,53 @@ def _update_flat(kind: str) -> Callable[[Point], Step]:
     return build
 
 
+# ---- the mixed-precision step: bf16 grads in, bf16 params out --------------------------------
+
+
+def _mixed_one_pass(pt: Point) -> Step:
+    """The whole mixed step in one call, ``apply_update_(..., params=)``: bf16 grads in,
+    masters, moments and bf16 params written in one pass (on CPU: the native kernel)."""
+    opt = _mpfunc_opt("adamw", "auto")
+    masters, params, grads = pt.masters, pt.params, pt.grads
+    state = opt.init(masters)
+    apply: Any = mpfunc.apply_update_
+    return lambda: apply(masters, grads, state, opt, params=params)
+
+
+def _mixed_kernel(pt: Point) -> Step:
+    """The native kernel alone, on the lists ``_plan`` would give it: what the step costs
+    without mpfunc's per-leaf checks and planning in Python."""
+    from mpfunc import _adam, _native
+    from mpfunc._optimizer import Group
+
+    opt = _mpfunc_opt("adamw", "auto")
+    masters, params, grads = pt.masters, pt.params, pt.grads
+    state = opt.init(masters)
+    keys = list(masters)
+    lists = {f: [getattr(state, f)[k] for k in keys] for f in ("step", "exp_avg", "exp_avg_sq")}
+    group = Group(
+        [masters[k] for k in keys], [grads[k] for k in keys], state._replace(**lists), LR, None,
+        model=[params[k] for k in keys],
+    )  # fmt: skip
+    hyper = _adam.AdamHyper(*BETAS, EPS, ADAMW_WD, decoupled=True, amsgrad=False, maximize=False)
+    return lambda: _native.adam_kernel(group, hyper)
+
+
+def _mixed_three_calls(pt: Point) -> Step:
+    """The in-place loop of today: ``grads_to_fp32_``, ``apply_update_``, ``masters_to_model_``."""
+    opt = _mpfunc_opt("adamw", "auto")
+    masters, params, grads = pt.masters, pt.params, pt.grads
+    state = opt.init(masters)
+    g32 = {k: torch.empty_like(g, dtype=torch.float32) for k, g in grads.items()}
+
+    def step() -> Any:
+        mpfunc.grads_to_fp32_(grads, g32)
+        mpfunc.apply_update_(masters, g32, state, opt)
+        return mpfunc.masters_to_model_(masters, params)
+
+    return step
+
+
 # ---- reference bandwidth at the same size (one tensor) -------------------------------------
 
 
@@ -276,6 +327,10 @@ def _add_ref(pt: Point) -> Step:
 CAST_BYTES = 2 + 4  # read a bf16 value, write an fp32 one (or the reverse)
 SGD_BYTES = 3 * 4 + 2 * 4  # read p, g, momentum; write p, momentum (fp32)
 ADAM_BYTES = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v (fp32)
+# The mixed step: read a bf16 grad and the fp32 master, m, v; write master, m, v and the
+# bf16 param. The same 28 bytes as an fp32 AdamW step.
+MIXED_BYTES = 2 + 3 * 4 + 3 * 4 + 2
+MIXED = "mixed adamw_ (bf16 grads in, bf16 params out)"
 
 NO_XLA = ("cpu", "cuda")
 # Roofline holds these against the measured in-place add_; the casts against copy_.
@@ -303,6 +358,16 @@ def all_cases() -> list[Case]:
         Case("masters_to_model_", "_foreach_copy_", CAST_BYTES, "copy", _m2m_foreach_),
         Case("masters_to_model_", "flat slices", CAST_BYTES, "copy", _m2m_flat_),
     ]
+    # The mixed step against torch's AdamW on an fp32 tree of the same shapes, interleaved.
+    cases += [
+        Case(MIXED, "mpfunc, 1 pass", MIXED_BYTES, UPDATE_ROOF, _mixed_one_pass),
+        Case(MIXED, "native kernel alone", MIXED_BYTES, UPDATE_ROOF, _mixed_kernel, ("cpu",)),
+        Case(MIXED, "mpfunc, 3 calls", MIXED_BYTES, UPDATE_ROOF, _mixed_three_calls),
+        Case(MIXED, "torch.optim fused, fp32 tree", ADAM_BYTES, UPDATE_ROOF,
+             _update_torch("adamw", "fused"), NO_XLA),
+        Case(MIXED, "torch.optim default, fp32 tree", ADAM_BYTES, UPDATE_ROOF,
+             _update_torch("adamw", "default")),
+    ]  # fmt: skip
     for kind, nbytes in (("sgd", SGD_BYTES), ("adam", ADAM_BYTES), ("adamw", ADAM_BYTES)):
         pure, inplace = f"apply_update {kind}", f"apply_update_ {kind}"
         cases.append(Case(pure, "mpfunc", nbytes, UPDATE_ROOF, _update_mpfunc(kind, "auto", False)))

@@ -160,7 +160,10 @@ def run_device(
         c
         for c in cases_mod.all_cases()
         if dev.kind in c.devices
-        and (args.only in c.transform or c.transform in cases_mod.REFERENCE_TRANSFORMS)
+        and (
+            any(part in c.transform for part in args.only.split(","))
+            or c.transform in cases_mod.REFERENCE_TRANSFORMS
+        )
     ]
     # Cases computing the same transform, pure or in place, are timed together,
     # interleaved, so that their ratios come from the same moments; a group's

@@ -508,10 +508,14 @@ bool is_low_or_f32(c10::ScalarType t) {
          t == c10::ScalarType::Half;
 }
 
-void check_scalar(const char* name, const std::optional<at::Tensor>& t) {
+void check_scalar(const char* name, const std::optional<at::Tensor>& t, bool or_bool = false) {
   if (!t) return;
-  if (!(t->device().is_cpu() && t->numel() == 1 && t->is_floating_point())) {
-    fail_type(name, "a one-element floating-point CPU tensor", *t);
+  const bool kind_ok = t->is_floating_point() || (or_bool && t->scalar_type() == c10::kBool);
+  if (!(t->device().is_cpu() && t->numel() == 1 && kind_ok)) {
+    fail_type(name,
+              or_bool ? "a one-element floating-point or bool CPU tensor"
+                      : "a one-element floating-point CPU tensor",
+              *t);
   }
 }
 
@@ -530,6 +534,49 @@ bool g_stream_out = true;
 constexpr std::int64_t kSerialBelow = 1 << 15;
 // From this many elements in all (about 120 MB of traffic), params are streamed to memory.
 constexpr std::int64_t kStreamFrom = 1 << 22;
+
+// Runs fn(leaf, begin, end) over every element of leaves of sizes `numels` (`total` in
+// all), in work items of at most g_chunk elements, in memory order. Each thread takes the
+// items that start in its equal share of the elements, so a mix of tiny and huge leaves
+// still splits evenly (to within one item), and each thread walks one contiguous run of
+// items. Item boundaries fall on multiples of g_chunk (64 elements or more) within a leaf.
+template <class Fn>
+void for_each_item(const std::vector<std::int64_t>& numels, std::int64_t total, const Fn& fn) {
+  struct Item {
+    std::uint32_t leaf;
+    std::int64_t begin, end, start;  // start: elements before the item
+  };
+  std::vector<Item> items;
+  items.reserve(numels.size());
+  std::int64_t before = 0;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    for (std::int64_t b = 0; b < numels[i]; b += g_chunk) {
+      items.push_back({std::uint32_t(i), b, std::min(numels[i], b + g_chunk), before + b});
+    }
+    before += numels[i];
+  }
+  auto run_items = [&](std::size_t lo, std::size_t hi) {
+    for (std::size_t k = lo; k < hi; ++k) fn(items[k].leaf, items[k].begin, items[k].end);
+  };
+  const std::int64_t parts =
+      total < kSerialBelow ? 1 : std::min<std::int64_t>(at::get_num_threads(), items.size());
+  if (parts <= 1) {
+    run_items(0, items.size());
+    return;
+  }
+  auto first_item_at = [&](std::int64_t element) {
+    return std::size_t(
+        std::lower_bound(items.begin(), items.end(), element,
+                         [](const Item& it, std::int64_t e) { return it.start < e; }) -
+        items.begin());
+  };
+  at::parallel_for(0, parts, 1, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t t = lo; t < hi; ++t) {
+      run_items(first_item_at(total / parts * t + std::min(t, total % parts)),
+                first_item_at(total / parts * (t + 1) + std::min(t + 1, total % parts)));
+    }
+  });
+}
 
 void adam_mixed_(const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,
                  const std::vector<at::Tensor>& exp_avgs,
@@ -561,7 +608,7 @@ void adam_mixed_(const std::vector<at::Tensor>& masters, const std::vector<at::T
   if (has_out) check_len("params_out", params_out.size());
   check_scalar("lr", lr_tensor);
   check_scalar("grad_scale", grad_scale);
-  check_scalar("found_inf", found_inf);
+  check_scalar("found_inf", found_inf, /*or_bool=*/true);
 
   const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
   std::optional<c10::ScalarType> out_dtype;
@@ -733,54 +780,16 @@ void adam_mixed_(const std::vector<at::Tensor>& masters, const std::vector<at::T
     if (has_out) L.out = s.out.data_ptr();
   }
 
-  // Work items: (leaf, begin, end), at most g_chunk elements each, in memory order, with
-  // `start` the number of elements before the item.
-  struct Item {
-    std::uint32_t leaf;
-    std::int64_t begin, end, start;
-  };
-  std::vector<Item> items;
-  items.reserve(n);
+  std::vector<std::int64_t> numels(n);
   std::int64_t total = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::int64_t numel = leaves[i].numel;
-    for (std::int64_t b = 0; b < numel; b += g_chunk) {
-      items.push_back({std::uint32_t(i), b, std::min(numel, b + g_chunk), total + b});
-    }
-    total += numel;
-  }
+  for (std::size_t i = 0; i < n; ++i) total += numels[i] = leaves[i].numel;
   // Streaming stores leave the params out of the cache; worth it only when the step's
   // traffic would not fit in a last-level cache anyway.
   hyper.stream_out = g_stream_out && total >= kStreamFrom;
   const RangeFn fn = pick(grad_dtype, out_dtype, amsgrad);
-  auto run_items = [&](std::size_t lo, std::size_t hi) {
-    for (std::size_t k = lo; k < hi; ++k) {
-      const Item& it = items[k];
-      fn(leaves[it.leaf], it.begin, it.end, hyper);
-    }
-  };
-  // Each thread takes the items that start in its equal share of the elements, so a mix
-  // of tiny and huge leaves still splits evenly (to within one item), and each thread
-  // walks one contiguous run of items.
-  const std::int64_t parts =
-      total < kSerialBelow ? 1 : std::min<std::int64_t>(at::get_num_threads(), items.size());
-  auto first_item_at = [&](std::int64_t element) {
-    return std::size_t(
-        std::lower_bound(items.begin(), items.end(), element,
-                         [](const Item& it, std::int64_t e) { return it.start < e; }) -
-        items.begin());
-  };
-  auto run_parts = [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t t = lo; t < hi; ++t) {
-      run_items(first_item_at(total / parts * t + std::min(t, total % parts)),
-                first_item_at(total / parts * (t + 1) + std::min(t + 1, total % parts)));
-    }
-  };
-  if (parts <= 1) {
-    run_items(0, items.size());
-  } else {
-    at::parallel_for(0, parts, 1, run_parts);
-  }
+  for_each_item(numels, total, [&](std::size_t i, std::int64_t b, std::int64_t e) {
+    fn(leaves[i], b, e, hyper);
+  });
 
   for (Stage& s : stages) {
     const std::size_t i = s.i;
@@ -829,6 +838,101 @@ void convert_(const at::Tensor& src, const at::Tensor& dst) {
                    [&](std::int64_t b, std::int64_t e) { f(sp, dp, b, e); });
 }
 
+// ---- grouped casts ----------------------------------------------------------------------
+// dst[i] <- src[i] between float32 and bfloat16/float16, as Tensor.to / copy_ compute it:
+// every element goes through ATen's Vectorized conversions (full or partial vectors),
+// which torch's copy kernel runs on the same elements. What makes it faster than
+// torch._foreach_copy_ (a loop of copy_ calls, each a TensorIterator and a parallel_for
+// of its own): one parallel region for the whole list, split by elements; and, from
+// kStreamFrom elements on, non-temporal stores, which skip reading each destination
+// line before overwriting it (a plain store's read-for-ownership: 4 of a widening's
+// 10 bytes per element, 2 of a narrowing's 8).
+
+template <class X>
+MPF_INLINE void stream_f32(float* p, const fVec& a, const fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_ps(p, __m512(a));
+  _mm512_stream_ps(p + kW, __m512(b));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm256_stream_ps(p, __m256(a));
+  _mm256_stream_ps(p + kW, __m256(b));
+#else
+  a.store(p);
+  b.store(p + kW);
+#endif
+}
+
+template <class From, class To>
+void cast_range(const void* src, void* dst, std::int64_t begin, std::int64_t end, bool stream) {
+  const auto* S = static_cast<const typename From::T*>(src);
+  auto* D = static_cast<typename To::T*>(dst);
+  std::int64_t i = begin;
+  fVec a, b;
+  if constexpr (kCanStream) {
+    // Streaming stores need the destination block aligned to a whole vector.
+    constexpr std::uintptr_t kAlign = sizeof(fVec);
+    if (stream && reinterpret_cast<std::uintptr_t>(D + begin) % kAlign == 0) {
+      for (; i + kBlock <= end; i += kBlock) {
+        load2<From, true>(S + i, kBlock, a, b);
+        if constexpr (std::is_same_v<To, F32>) {
+          stream_f32<To>(D + i, a, b);
+        } else {
+          stream2<To>(D + i, a, b);
+        }
+      }
+      stream_fence();
+    }
+  }
+  for (; i + kBlock <= end; i += kBlock) {
+    load2<From, true>(S + i, kBlock, a, b);
+    store2<To, true>(D + i, kBlock, a, b);
+  }
+  if (i < end) {
+    load2<From, false>(S + i, end - i, a, b);
+    store2<To, false>(D + i, end - i, a, b);
+  }
+}
+
+void cast_(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs) {
+  constexpr const char* fn = "cast_";
+  TORCH_CHECK_VALUE(dsts.size() == srcs.size(), fn, ": expected lists of equal length, got ",
+                    dsts.size(), " and ", srcs.size());
+  const std::size_t n = dsts.size();
+  if (n == 0) return;
+  const auto s = srcs[0].scalar_type(), d = dsts[0].scalar_type();
+  using Fn = void (*)(const void*, void*, std::int64_t, std::int64_t, bool);
+  Fn f = nullptr;
+  if (s == c10::ScalarType::Float && d == c10::ScalarType::BFloat16) f = &cast_range<F32, BF16>;
+  if (s == c10::ScalarType::Float && d == c10::ScalarType::Half) f = &cast_range<F32, F16>;
+  if (s == c10::ScalarType::BFloat16 && d == c10::ScalarType::Float) f = &cast_range<BF16, F32>;
+  if (s == c10::ScalarType::Half && d == c10::ScalarType::Float) f = &cast_range<F16, F32>;
+  TORCH_CHECK_TYPE(f != nullptr, fn, ": expected float32 -> bfloat16/float16 or back, got ",
+                   dtype_name(s), " -> ", dtype_name(d));
+  std::vector<std::int64_t> numels(n);
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor &src = srcs[i], &dst = dsts[i];
+    TORCH_CHECK_TYPE(src.scalar_type() == s && dst.scalar_type() == d && src.device().is_cpu() &&
+                         dst.device().is_cpu() && src.layout() == c10::kStrided &&
+                         dst.layout() == c10::kStrided,
+                     fn, ": at [", i, "]: expected strided CPU tensors ", dtype_name(s), " -> ",
+                     dtype_name(d), ", got ", describe(src), " -> ", describe(dst));
+    // Memory order is index order only when both are dense with one stride.
+    TORCH_CHECK_VALUE(src.sizes() == dst.sizes() && src.strides() == dst.strides() &&
+                          dst.is_non_overlapping_and_dense(),
+                      fn, ": at [", i, "]: expected two dense tensors of one shape and stride");
+    TORCH_CHECK_VALUE(!(dst.is_inference() && !c10::InferenceMode::is_enabled()), fn, ": at [",
+                      i, "]: expected a tensor that can be updated in place, got an inference ",
+                      "tensor outside torch.inference_mode()");
+    total += numels[i] = dst.numel();
+  }
+  for (const at::Tensor& t : dsts) t.unsafeGetTensorImpl()->bump_version();
+  const bool stream = g_stream_out && total >= kStreamFrom;
+  for_each_item(numels, total, [&](std::size_t i, std::int64_t b, std::int64_t e) {
+    f(srcs[i].data_ptr(), dsts[i].data_ptr(), b, e, stream);
+  });
+}
+
 // Sets the benchmark knobs; returns the previous (chunk, stream_out). chunk is rounded
 // down to a multiple of 64 elements (so no two work items share a cache line).
 std::tuple<std::int64_t, bool> tune(std::int64_t chunk, bool stream_out) {
@@ -850,6 +954,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One-pass Adam/AdamW over fp32 masters with low-precision grads in and params out",
         py::call_guard<py::gil_scoped_release>());
   m.def("convert_", &mpfunc_native::convert_, "dst <- src with the kernel's own rounding",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cast_", &mpfunc_native::cast_,
+        "dst[i] <- src[i] between float32 and bfloat16/float16, as Tensor.to rounds",
         py::call_guard<py::gil_scoped_release>());
   m.def("_tune", &mpfunc_native::tune, "Benchmark knobs: (chunk, stream_out) -> previous");
   m.attr("CHUNK") = mpfunc_native::kChunk;

@@ -105,12 +105,14 @@ def _context() -> dict[str, Any]:
         "loss": torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y),
         "grads": {n: p.grad for n, p in params.items()},
         "fp32_model": MyModel(),
+        "decay": [p for p in params.values() if p.ndim >= 2],
+        "no_decay": [p for p in params.values() if p.ndim < 2],
     }
 
 
 CONTEXT = sorted([
     "device", "model", "params", "masters", "opt", "state", "lr", "scaler", "g32_buf", "loss",
-    "grads", "fp32_model",
+    "grads", "fp32_model", "decay", "no_decay",
 ])  # fmt: skip
 
 

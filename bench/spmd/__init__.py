@@ -1,0 +1,1 @@
+"""The XLA SPMD scaling benchmark; run it with ``python -m bench.spmd``."""
