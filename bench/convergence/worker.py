@@ -21,7 +21,6 @@ import mpfunc
 from bench.convergence import data
 from bench.convergence.config import BETAS, EPS, WEIGHT_DECAY, Row, lr_at
 from bench.convergence.model import CharLM, loss_fn
-from mpfunc import _strategy  # the private export of each strategy's fp32 value
 
 Log = Callable[[str], None]
 
@@ -334,13 +333,7 @@ class MpfuncTrainer(Trainer):
         return [self.params, self.masters, self.state, self.g32]
 
     def fp32_values(self) -> dict[str, torch.Tensor]:
-        # mpfunc.masters_state_dict gives a strategy's raw buffers (param, remainder), not
-        # yet its fp32 value; each strategy's own export does.
-        out = {}
-        for k, m in self.masters.items():
-            s = _strategy.by_unit(m)
-            out[k] = (m if s is None else s.export(m)).detach().float().clone()
-        return out
+        return mpfunc.masters_state_dict(self.masters)  # exact fp32 copies, any strategy
 
     def update(self, lr: float, step: int, diag: bool) -> None:
         self.lr.fill_(lr)
