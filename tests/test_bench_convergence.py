@@ -1,7 +1,7 @@
 """Smoke test of the convergence study, so that ``bench.convergence`` cannot rot.
 
 Runs ``python -m bench.convergence --smoke`` in a subprocess and checks the
-outputs; a dozen steps prove the plumbing, not the convergence.
+outputs' structure; a few steps prove the plumbing, not the convergence.
 """
 
 from __future__ import annotations
@@ -15,40 +15,67 @@ from pathlib import Path
 import pytest
 
 from bench.common.meta import META_KEYS
+from bench.convergence.config import DEFAULT_ROWS, IDENTICAL_TO, REFERENCE, ROWS, TARGETS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def test_rows_table() -> None:
+    # Every strategy crossed with every state dtype, plus the torch.optim baselines.
+    mp = [r for r in ROWS.values() if r.kind == "mpfunc"]
+    assert len(mp) == 15 and len({(r.strategy, r.state_dtype) for r in mp}) == 15
+    assert {REFERENCE, "bf16", IDENTICAL_TO} <= set(DEFAULT_ROWS)
+    assert all(row in DEFAULT_ROWS for row, _, _ in TARGETS)
+
+
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "bench.convergence", "--smoke", "--threads", "1"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240
-    )
+    cmd = [sys.executable, "-m", "bench.convergence", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in ("convergence.md", "convergence.json", "convergence.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     result = json.loads((tmp_path / "convergence.json").read_text())
     assert tuple(result["meta"]) == META_KEYS and result["meta"]["threads"] == 1
-    assert result["device"] == "cpu"
+    seeds, steps = result["seeds"], result["config"]["steps"]
+    assert len(seeds) == 2 and len(result["pretrained"]) == 2
+    assert [r["name"] for r in result["rows"]] == list(DEFAULT_ROWS)
+    assert len(result["runs"]) == len(DEFAULT_ROWS) * len(seeds)
 
-    runs = {r["mode"]: r for r in result["runs"]}
-    assert set(runs) == {"fp32", "bf16", "mixed"}
-    steps = result["config"]["steps"]
     vocab = result["corpus"]["vocab_size"]
-    for r in runs.values():
+    ok = [r for r in result["runs"] if "error" not in r]
+    assert {r["row"] for r in ok} >= {REFERENCE, "bf16", *(t[0] for t in TARGETS)}
+    for r in ok:
         assert len(r["train_loss"]) == steps
         assert all(math.isfinite(x) for x in r["train_loss"])
-        # Learning happened: below the loss of a uniform guess, and below the first step.
         assert r["final_val_loss"] < math.log(vocab)
-        assert r["train_loss"][-1] < r["train_loss"][0]
         assert r["val_curve"][0][0] == 0 and r["val_curve"][-1][0] == steps
-    assert runs["fp32"]["stale"] is None
-    for mode in ("bf16", "mixed"):
-        stale = runs[mode]["stale"]
-        assert 0.0 <= stale["stale_fraction"] <= 1.0 and stale["nonzero"] > 0
-    # Pure bf16 loses every stale update; mixed keeps them in its fp32 masters.
-    assert runs["bf16"]["stale"]["lost"] == runs["bf16"]["stale"]["stale"]
-    assert runs["mixed"]["stale"]["lost_fraction"] < runs["bf16"]["stale"]["lost_fraction"]
-    assert result["corpus"]["train_chars"] > 0 and result["corpus"]["val_chars"] > 0
-    assert "gap to fp32" in (tmp_path / "convergence.md").read_text()
+        d = r["diag"]
+        assert d["per_step"] and all(0.0 <= d[k] <= 1.0 for k in ("stale", "lost", "unchanged"))
+        assert r["bytes_per_param"] > 0 and len(r["fp32_sha256"]) == 64
+
+    runs = {(r["row"], r["seed"]): r for r in ok}
+    for s in seeds:
+        # Persistent bytes from the tensors held: fp32 AdamW 12, pure bf16 6, and the
+        # strategies' shares below the master-weight path.
+        assert runs[REFERENCE, s]["bytes_per_param"] == pytest.approx(12, abs=0.05)
+        assert runs["bf16", s]["bytes_per_param"] == pytest.approx(6, abs=0.05)
+        assert runs["remainder/f32", s]["bytes_per_param"] == pytest.approx(12, abs=0.05)
+        assert runs["stochastic/u8", s]["bytes_per_param"] < 4.3
+        # Pure bf16 loses every stale update; fp32 masters keep them.
+        assert runs["bf16", s]["diag"]["lost"] == runs["bf16", s]["diag"]["unchanged"]
+        assert runs["remainder/f32", s]["diag"]["lost"] < runs["bf16", s]["diag"]["lost"]
+
+        # Remainder rows carry an fp32 twin stepped on the same grads, compared every step.
+        twin = runs["remainder/f32", s]["twin"]
+        assert twin["steps"] == steps and twin["params_differ_at_ties"] <= twin["params_differ"]
+        assert runs[REFERENCE, s]["twin"] is None
+
+    summary = {e["row"]: e for e in result["summary"]}
+    assert set(summary) == set(DEFAULT_ROWS)
+    assert summary["remainder/f32"]["identical_to"] is True
+    for e in summary.values():
+        assert e["seeds"] or e["errors"], e["row"]
+    assert [t["row"] for t in result["targets"]] == [t[0] for t in TARGETS]
+    md = (tmp_path / "convergence.md").read_text()
+    assert "gap to fp32" in md and "Targets" in md
