@@ -6,13 +6,13 @@ device, with no host read, so ``stats`` can be passed every N steps and read whe
 convenient. Per leaf, with ``u`` the step's update in fp32 (new master minus old,
 before any rounding) and ``p`` the model param:
 
-* ``lost``: the fraction of elements with ``u != 0`` whose ``p`` did not change: updates
+* ``swallowed``: the fraction of elements with ``u != 0`` whose ``p`` did not change: updates
   that rounding swallowed this step (with ``"fp32"``/``"remainder"``/``"kahan"`` masters
-  they are kept and reach ``p`` later; with ``"none"`` they are gone);
+  they are kept and reach ``p`` later; with ``"none"`` they are lost);
 * ``unchanged``: the fraction of elements whose ``p`` did not change at all;
 * ``ratio``: ``rms(u) / rms(old master)``, the update-to-weight RMS ratio.
 
-``lost`` and ``unchanged`` need the param: they are NaN for ``"fp32"`` masters stepped
+``swallowed`` and ``unchanged`` need the param: they are NaN for ``"fp32"`` masters stepped
 without ``params=``. A step that was skipped reports zero updates.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["UpdateStats", "init_stats", "record"]
 class UpdateStats(NamedTuple):
     """One leaf's statistics of the last step that received ``stats``; 0-d float32 each."""
 
-    lost: torch.Tensor
+    swallowed: torch.Tensor
     unchanged: torch.Tensor
     ratio: torch.Tensor
 
@@ -45,7 +45,7 @@ def init_stats(masters: Any) -> Any:
 
       stats = mpfunc.init_stats(masters)
       mpfunc.apply_update_(masters, grads, state, opt, params=params, stats=stats)
-      print({k: s.lost.item() for k, s in stats.items()})   # reads after the step
+      print({k: s.swallowed.item() for k, s in stats.items()})   # reads after the step
     """
     from mpfunc import _strategy  # (imports the strategies, which import this module's peers)
 
@@ -81,9 +81,9 @@ def record(
         o = old[i].to(torch.float32)
         s.ratio.copy_(rms_u / _mean(o * o).sqrt())
         if before is None or now is None:
-            s.lost.fill_(float("nan"))
+            s.swallowed.fill_(float("nan"))
             s.unchanged.fill_(float("nan"))
             continue
         same = now[i] == before[i]
         s.unchanged.copy_(_mean(same))
-        s.lost.copy_(_mean(same & (u != 0)))
+        s.swallowed.copy_(_mean(same & (u != 0)))

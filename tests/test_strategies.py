@@ -408,14 +408,14 @@ def test_stats_report_swallowed_updates_and_ratio() -> None:
     mpfunc.apply_update_(m, {"w": g}, s, opt, params=p, stats=stats)
     st_w = stats["w"]
     assert float(st_w.unchanged) == pytest.approx(0.9)
-    assert float(st_w.lost) == pytest.approx(0.4)
+    assert float(st_w.swallowed) == pytest.approx(0.4)
     u = torch.zeros(100)
     u[:40], u[40:50] = -1e-4, -0.1
     assert float(st_w.ratio) == pytest.approx(float(u.pow(2).mean().sqrt()), rel=1e-3)
     m32 = mpfunc.init_master({"w": torch.ones(4, dtype=BF16)})
     st32 = mpfunc.init_stats(m32)
     mpfunc.apply_update_(m32, {"w": torch.ones(4)}, opt.init(m32), opt, stats=st32)
-    assert bool(st32["w"].lost.isnan()) and float(st32["w"].ratio) > 0  # no params given
+    assert bool(st32["w"].swallowed.isnan()) and float(st32["w"].ratio) > 0  # no params given
 
 
 # --- every strategy x state dtype: resume, pure form, errors ---------------------------------

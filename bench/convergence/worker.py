@@ -367,7 +367,7 @@ class MpfuncTrainer(Trainer):
             s = self.stats[k]
             n = p.numel()
             if self.g32 is None:
-                stale += float(s.lost) * n  # mpfunc's own count: u != 0, param unchanged
+                stale += float(s.swallowed) * n  # mpfunc's own count: u != 0, param unchanged
             else:  # stepped without params=: an fp32 master moves exactly when u != 0
                 stale += int((same_p & ~same_v).sum())
             lost += int(same_v.sum())
