@@ -45,10 +45,10 @@ class Strategy(NamedTuple):
     (for the error). ``make(param, seed, index)``: the master of one param (index: its
     position in the tree, for RNG keys). ``load(units)``: fp32 values of a list of
     masters on one device (fresh tensors, or the masters themselves for ``"fp32"``).
-    ``store(units, values, skip)``: writes the values back; where ``skip`` (0-d bool on
-    the device) is true every written tensor keeps its bits. ``written(unit)``: the
-    tensors ``store`` writes. ``check(unit)``: ``None`` if the unit's tensors fit
-    together, else what is wrong. ``export(unit)``: the exact fp32 master it holds.
+    ``store(units, values, skip)``: writes the values back (any of the unit's tensors);
+    where ``skip`` (0-d bool on the device) is true every one keeps its bits.
+    ``check(unit)``: ``None`` if the unit's tensors fit together, else what is wrong.
+    The exact fp32 master a unit holds is ``load([unit])[0]`` (``export``).
     """
 
     name: str
@@ -57,9 +57,26 @@ class Strategy(NamedTuple):
     make: Callable[[torch.Tensor, int, int], Any]
     load: Callable[[list[Any]], list[torch.Tensor]]
     store: Callable[[list[Any], list[torch.Tensor], torch.Tensor | None], None]
-    written: Callable[[Any], list[torch.Tensor]]
     check: Callable[[Any], str | None]
-    export: Callable[[Any], torch.Tensor]
+
+    def export(self, leaf: Any) -> torch.Tensor:
+        """The exact fp32 (or fp64) master that ``leaf`` holds, as a tensor."""
+        return self.load([leaf])[0]
+
+
+def buffer_problem(
+    name: str, buf: torch.Tensor, dtype: torch.dtype, param: torch.Tensor, scalar: bool = False
+) -> str | None:
+    """What is wrong with a unit's buffer: not ``dtype``, or not shaped like (or, with
+    ``scalar``, a 0-d tensor beside) its param on the param's device."""
+    shape = () if scalar else tuple(param.shape)
+    if buf.dtype == dtype and tuple(buf.shape) == shape and buf.device == param.device:
+        return None
+    want = f"a 0-d {dtype}" if scalar else f"{dtype} {shape}"
+    return (
+        f"its {name} is {buf.dtype} {tuple(buf.shape)} on {buf.device}, not {want} on "
+        f"{param.device} like its param"
+    )
 
 
 # The strategies, in the order the docs list them. Each module defines STRATEGY.

@@ -32,19 +32,11 @@ def _store(masters: list[Any], values: list[torch.Tensor], skip: torch.Tensor | 
     return None
 
 
-def _written(master: Any) -> list[torch.Tensor]:
-    return [master]
-
-
 def _check(master: Any) -> str | None:
     return None
 
 
-def _export(master: Any) -> torch.Tensor:
-    return master  # type: ignore[no-any-return]
-
-
 STRATEGY = Strategy(
     name="fp32", unit=None, why_not=_why_not, make=_make, load=_load, store=_store,
-    written=_written, check=_check, export=_export,
+    check=_check,
 )  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc import _sharding
-from mpfunc._strategy import Strategy
+from mpfunc._strategy import Strategy, buffer_problem
 
 __all__ = ["STRATEGY", "KahanMaster"]
 
@@ -62,27 +62,14 @@ def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | No
         u.compensation.copy_(c)
 
 
-def _written(u: Any) -> list[torch.Tensor]:
-    return [u.param, u.compensation]
-
-
 def _check(u: Any) -> str | None:
     p, c = u.param, u.compensation
     if p.dtype not in _DTYPES:
         return f"its param is {p.dtype}, not bfloat16 or float16"
-    if c.dtype != p.dtype or c.shape != p.shape or c.device != p.device:
-        return (
-            f"its compensation is {c.dtype} {tuple(c.shape)} on {c.device}, not "
-            f"{p.dtype} {tuple(p.shape)} on {p.device} like its param"
-        )
-    return None
-
-
-def _export(u: Any) -> torch.Tensor:
-    return _load([u])[0]
+    return buffer_problem("compensation", c, p.dtype, p)
 
 
 STRATEGY = Strategy(
     name="kahan", unit=KahanMaster, why_not=_why_not, make=_make, load=_load, store=_store,
-    written=_written, check=_check, export=_export,
+    check=_check,
 )  # fmt: skip

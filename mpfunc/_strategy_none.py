@@ -44,19 +44,11 @@ def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | No
         u.param.copy_(p if skip is None else torch.where(skip, u.param, p))
 
 
-def _written(u: Any) -> list[torch.Tensor]:
-    return [u.param]
-
-
 def _check(u: Any) -> str | None:
     return None if u.param.is_floating_point() else f"its param is {u.param.dtype}"
 
 
-def _export(u: Any) -> torch.Tensor:
-    return _load([u])[0]
-
-
 STRATEGY = Strategy(
     name="none", unit=RoundedMaster, why_not=_why_not, make=_make, load=_load, store=_store,
-    written=_written, check=_check, export=_export,
+    check=_check,
 )  # fmt: skip

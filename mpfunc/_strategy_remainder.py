@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc import _plan, _remainder, _sharding
-from mpfunc._strategy import Strategy
+from mpfunc._strategy import Strategy, buffer_problem
 
 __all__ = ["STRATEGY", "RemainderMaster"]
 
@@ -73,27 +73,14 @@ def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | No
         rbits.copy_(lo)
 
 
-def _written(u: Any) -> list[torch.Tensor]:
-    return [u.param, u.remainder]
-
-
 def _check(u: Any) -> str | None:
     p, r = u.param, u.remainder
     if p.dtype != torch.bfloat16:
         return f"its param is {p.dtype}, not torch.bfloat16"
-    if r.dtype != torch.int16 or r.shape != p.shape or r.device != p.device:
-        return (
-            f"its remainder is {r.dtype} {tuple(r.shape)} on {r.device}, not torch.int16 "
-            f"{tuple(p.shape)} on {p.device} like its param"
-        )
-    return None
-
-
-def _export(u: Any) -> torch.Tensor:
-    return _load([u])[0]
+    return buffer_problem("remainder", r, torch.int16, p)
 
 
 STRATEGY = Strategy(
     name="remainder", unit=RemainderMaster, why_not=_why_not, make=_make, load=_load,
-    store=_store, written=_written, check=_check, export=_export,
+    store=_store, check=_check,
 )  # fmt: skip

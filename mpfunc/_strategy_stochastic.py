@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc import _plan, _rng
-from mpfunc._strategy import Strategy
+from mpfunc._strategy import Strategy, buffer_problem
 
 __all__ = ["STRATEGY", "StochasticMaster", "round_stochastic"]
 
@@ -109,27 +109,14 @@ def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | No
     torch._foreach_copy_([u.param for u in units], rounded)
 
 
-def _written(u: Any) -> list[torch.Tensor]:
-    return [u.param, u.key]
-
-
 def _check(u: Any) -> str | None:
     p, k = u.param, u.key
     if p.dtype != torch.bfloat16:
         return f"its param is {p.dtype}, not torch.bfloat16"
-    if k.dtype != torch.int32 or k.shape != () or k.device != p.device:
-        return (
-            f"its key is {k.dtype} {tuple(k.shape)} on {k.device}, not a 0-d torch.int32 "
-            f"on {p.device}"
-        )
-    return None
-
-
-def _export(u: Any) -> torch.Tensor:
-    return _load([u])[0]
+    return buffer_problem("key", k, torch.int32, p, scalar=True)
 
 
 STRATEGY = Strategy(
     name="stochastic", unit=StochasticMaster, why_not=_why_not, make=_make, load=_load,
-    store=_store, written=_written, check=_check, export=_export,
+    store=_store, check=_check,
 )  # fmt: skip
