@@ -14,10 +14,11 @@ leaves every tensor as it was.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn, Union
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "LRArg",
     "Like",
     "Memo",
+    "MemoEntry",
     "Side",
     "check_dense",
     "check_leaf_dtypes",
@@ -46,8 +48,12 @@ __all__ = [
     "describe",
     "fail",
     "integer",
+    "leaf_keys",
     "lr",
     "master_dtype",
+    "memo_entry",
+    "memo_off",
+    "memo_passed",
     "real",
     "recall",
     "tensor_leaves",
@@ -699,7 +705,7 @@ def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side]
         hash(key)
     except (_NoMemo, TypeError, RuntimeError):
         key = None
-    if key is None:
+    if key is None or not _enabled[0]:
         return Memo(sides, specs, None, False)
     with _memo_lock:
         hit = key in _memo
@@ -712,3 +718,111 @@ def clear_memo() -> None:
     """Forgets every passed check (tests)."""
     with _memo_lock:
         _memo.clear()
+        _entries.clear()
+
+
+_enabled = [True]
+
+
+@contextlib.contextmanager
+def memo_off() -> Iterator[None]:
+    """Every check runs in full inside this block (benchmarks, tests)."""
+    was = _enabled[0]
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = was
+
+
+# --- the step's memo: checks and the plan's per-leaf decisions -------------------------------
+#
+# ``apply_update_`` reads six tensors per leaf (master, grad, param, moments, step count), so
+# its key must cost well under a microsecond per tensor. A tensor's key is one tuple of
+# what the checks and the plan read: its exact type, dtype, shape, device, strides and
+# address; a ``None`` leaf's is ``None`` (trees are flattened with units opened, whose
+# types the tree spec holds). ``storage_offset`` is not needed: the address includes it.
+# Nothing is validated while the key is built: a key is only stored after a full check
+# passed *and* every tensor it names was found memoizable (exactly ``torch.Tensor`` or
+# ``Parameter``, strided, with an address: not XLA or meta), so a hit (an equal key) means
+# the same holds again.
+
+
+def _fast_keys(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple([
+        None if t is None
+        else (type(t), t.dtype, t.shape, t.device, t.stride(), t.data_ptr())
+        for t in leaves
+    ])  # fmt: skip
+
+
+def leaf_keys(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The memo key of flattened leaves (tensors or ``None``); ``None`` where a leaf is not
+    a tensor, or has no strides or address (sparse, some lazy tensors)."""
+    try:
+        if leaves and getattr(leaves[0], "is_xla", False):
+            return None  # XLA trees are always checked: no address, and a key costs as much
+        return _fast_keys(leaves)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def _memoizable(key: Any) -> bool:
+    """Whether the tensor a leaf key names may be remembered (see above)."""
+    return key is None or (key[0] in _MEMO_TYPES and key[3].type not in ("xla", "lazy", "meta"))
+
+
+class MemoEntry:
+    """What a passed ``apply_update_`` check remembers: the plans of its optimizers, keyed on
+    the plan's own tag and its state's leaf keys. Holds no tensor."""
+
+    __slots__ = ("info", "plans")
+
+    def __init__(self) -> None:
+        self.plans: OrderedDict[Hashable, Any] = OrderedDict()
+        self.info: Any = None  # what the call site needs to rebuild its checked inputs
+
+    def get(self, key: Hashable) -> Any:
+        with _memo_lock:
+            return self.plans.get(key)
+
+    def put(self, key: Hashable, value: Any, parts: Sequence[Any]) -> None:
+        """Remembers ``value`` under ``key`` if every leaf key in ``parts`` is memoizable."""
+        if not _enabled[0] or not all(_memoizable(k) for part in parts for k in part):
+            return
+        with _memo_lock:
+            self.plans[key] = value
+            while len(self.plans) > 8:
+                self.plans.popitem(last=False)
+
+
+_entries: OrderedDict[Hashable, MemoEntry] = OrderedDict()
+
+
+def memo_entry(tag: Hashable, keys: tuple[Any, ...]) -> tuple[Hashable | None, MemoEntry | None]:
+    """``(key, entry)``: the entry of a call whose checks passed on identical inputs, else
+    ``(key, None)``; ``(None, None)`` where nothing may be remembered (memo off, a
+    ``torch.func`` transform running: its wrappers answer these attributes differently)."""
+    if not _enabled[0] or _func_transform_active():
+        return None, None
+    key = (tag, keys)
+    try:
+        with _memo_lock:  # oldest first out: a hit does not move (no second hash)
+            entry = _entries.get(key)
+    except TypeError:  # an unhashable part of the tag
+        return None, None
+    return key, entry
+
+
+def memo_passed(key: Hashable | None, parts: Sequence[Any]) -> MemoEntry | None:
+    """After a full check of ``key``'s call passed: its new entry (``None`` if a leaf may
+    not be remembered). ``parts``: the leaf keys of every tree in ``key``."""
+    if key is None or not all(_memoizable(k) for part in parts for k in part):
+        return None
+    entry = MemoEntry()
+    with _memo_lock:
+        _entries.pop(key, None)
+        _entries[key] = entry
+        while len(_entries) > _MEMO_SIZE:
+            _entries.popitem(last=False)
+    return entry

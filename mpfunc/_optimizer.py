@@ -57,6 +57,9 @@ class Step(NamedTuple):
     model: Side | None = None
     scale: torch.Tensor | None = None
     stats: list[Any] | None = None
+    # The memo entry of these checked inputs (``_checks.MemoEntry``), where the plan may
+    # remember its per-leaf decisions; ``None``: plan in full.
+    memo: Any = None
 
     def only(self, keep: list[bool], state_name: str) -> Step:
         """The same step over the leaves where ``keep`` is true (others become ``None``):
@@ -77,6 +80,7 @@ class Step(NamedTuple):
             kinds=maybe(self.kinds),
             model=None if p is None else p._replace(leaves=cut(p.leaves)),
             stats=maybe(self.stats),
+            memo=None,  # a sub-plan sees a cut of the leaves: planned in full
         )
 
 
