@@ -370,3 +370,32 @@ def test_the_memo_keeps_no_tensor_alive() -> None:
     del t
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("strategy", ["fp32", "kahan"])
+def test_masters_to_model_is_checked_once(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    _checks.clear_memo()
+    t = _one_pass(strategy=strategy)
+    _update(t)
+    calls = _count_checks(monkeypatch)
+    mpfunc.masters_to_model_(t["masters"], t["params"])
+    assert "check_pairs" in calls
+    calls.clear()
+    for _ in range(2):
+        mpfunc.masters_to_model_(t["masters"], t["params"])
+    assert calls == []
+    for q, x in zip(t["params"].values(), t["masters"].values()):
+        assert torch.equal(q, _strategy_face(x).to(q.dtype))
+    if strategy == "kahan":
+        return  # a unit writes its own param: masters_to_model_ writes none of them
+    t["params"]["b"].data = torch.zeros(1, dtype=torch.bfloat16).expand(3)  # stride 0, same id
+    snap = snapshot(t)
+    with pytest.raises(ValueError, match=r"at 'params\.b': expected a tensor whose elements"):
+        mpfunc.masters_to_model_(t["masters"], t["params"])
+    assert_unchanged(t, snap)
+
+
+def _strategy_face(x: Any) -> torch.Tensor:
+    from mpfunc import _strategy
+
+    return _strategy.face(x)  # type: ignore[no-any-return]
