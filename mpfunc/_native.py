@@ -58,6 +58,7 @@ __all__ = [
     "cast_",
     "cast_agrees",
     "casts",
+    "key_function",
     "load",
 ]
 
@@ -284,6 +285,12 @@ def load() -> ModuleType:
             raise _error from e
         _module = module
         return module
+
+
+def key_function() -> Any:
+    """The built module's ``meta_key`` (the memo key of a list of leaves, see
+    ``_checks.leaf_keys``) if the module is loaded already, else ``None``: never builds."""
+    return getattr(_module, "meta_key", None)
 
 
 def available() -> bool:

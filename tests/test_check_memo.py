@@ -25,6 +25,44 @@ import mpfunc
 from mpfunc import _checks
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def key_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with the packed C++ key (``_native.meta_key``) and with the Python one."""
+    from mpfunc import _native
+
+    if request.param == "python":
+        monkeypatch.setattr(_native, "key_function", lambda: None)
+    elif not _native.available():
+        pytest.skip("the native module does not build here")
+    return str(request.param)
+
+
+def test_leaf_keys_tell_apart_what_the_checks_read(key_kind: str) -> None:
+    base = torch.zeros(4, 3)
+    same = [base, None, base[1:]]
+    key = _checks.leaf_keys(same)
+    assert key is not None and key == _checks.leaf_keys([base, None, base[1:]])
+    others = [
+        [base, None, base[2:]],  # another address
+        [base.t(), None, base[1:]],  # another layout, same address
+        [base.view(3, 4), None, base[1:]],  # another shape
+        [base.view(torch.int32), None, base[1:]],  # another dtype
+        [torch.nn.Parameter(base), None, base[1:]],  # a Parameter
+        [base, base, base[1:]],  # a None filled
+        [base, None],  # one leaf fewer
+    ]
+    assert len({key, *(_checks.leaf_keys(o) for o in others)}) == len(others) + 1
+
+    class Tagged(torch.Tensor):
+        pass
+
+    assert _checks.leaf_keys([base.as_subclass(Tagged)]) in (None, _checks.leaf_keys(
+        [base.as_subclass(Tagged)]
+    ))  # fmt: skip
+    assert _checks.leaf_keys([torch.zeros(3).to_sparse()]) is None
+    assert _checks.leaf_keys([1.0]) is None
+
+
 def _setup(device: torch.device) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (4, 3), "b": (3,), "c": (2, 2)}
