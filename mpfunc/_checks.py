@@ -632,14 +632,14 @@ def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int
 #
 # A training loop passes the same trees every step. So a call site may remember that its
 # checks passed, keyed on *everything those checks read*: the call site and its rules
-# (``tag``), each tree's structure, and each leaf's type, layout, dtype, shape, device,
-# strides, storage offset and address. The key holds no tensor and no object id standing
-# in for metadata: a hit means the checks would read exactly the same values again, so
-# they would pass again. A new tensor under a reused id, a ``.data`` swap, a changed dtype,
-# shape or layout, or a new alias changes the key and the checks run in full.
+# (``tag``), each tree's structure, and each leaf's exact type, dtype, shape, device,
+# strides and address (``leaf_keys``, below). The key holds no tensor and no object id
+# standing in for metadata: a hit means the checks would read exactly the same values
+# again, so they would pass again. A new tensor under a reused id, a ``.data`` swap, a
+# changed dtype, shape or layout, or a new alias changes the key and the checks run in full.
 #
-# Only on eager devices: there a leaf's key is a few attribute reads and the memo takes
-# about a third off the checks (10,000 leaves on CPU). XLA tensors have no address; what
+# Only on eager devices (CPU, CUDA): there a leaf's key is a few attribute reads (packed in
+# C++ once the native module is loaded: ~0.1 us a tensor). XLA tensors have no address; what
 # the checks read instead (the storage's identity, torch's internal-overlap verdict) is
 # most of their cost, so a key is as dear as the checks and XLA trees are always checked
 # in full (measured: 6-7 ms with the memo against 4-5 ms without for a seed-sized step).
@@ -652,20 +652,6 @@ _memo_lock = threading.Lock()
 _MEMO_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-class _NoMemo(Exception):
-    pass
-
-
-def _leaf_key(t: Any) -> Any:
-    """What every check reads of one leaf (``None`` for a ``None`` leaf)."""
-    if t is None:
-        return None
-    if type(t) not in _MEMO_TYPES or t.layout is not torch.strided or _no_address(t):
-        # The checks explain a bad leaf; a subclass or an XLA tensor is checked every time.
-        raise _NoMemo
-    return (t.dtype, t.shape, t.device, t.stride(), t.storage_offset(), t.data_ptr())
-
-
 class Memo(NamedTuple):
     """Trees flattened once for a call's checks, and whether those checks already passed on
     identical inputs (``hit``). After checking a miss in full, call ``passed()``."""
@@ -676,8 +662,9 @@ class Memo(NamedTuple):
     hit: bool
 
     def passed(self) -> None:
-        """Remembers that the checks of this key passed (the oldest key is forgotten)."""
-        if self.key is None:
+        """Remembers that the checks of this key passed (the oldest key is forgotten), if
+        every tensor it names may be remembered (``_memoizable``)."""
+        if self.key is None or not all(map(_memoizable_part, self.key[2])):  # type: ignore[index]
             return
         with _memo_lock:
             _memo[self.key] = None
@@ -697,14 +684,14 @@ def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side]
         leaves, spec = _tree.flatten(tree)
         sides.append(Side(name, tree, leaves))
         specs.append(spec)
-    try:
-        key: Hashable | None = (
-            tag, tuple(specs),
-            tuple(tuple(map(_leaf_key, s.leaves)) for s in (*sides, *also)),
-        )  # fmt: skip
-        hash(key)
-    except (_NoMemo, TypeError, RuntimeError):
-        key = None
+    parts = [leaf_keys(s.leaves) for s in (*sides, *also)]
+    key: Hashable | None = None
+    if all(p is not None for p in parts) and not _func_transform_active():
+        try:
+            key = (tag, tuple(specs), tuple(parts))
+            hash(key)
+        except TypeError:
+            key = None
     if key is None or not _enabled[0]:
         return Memo(sides, specs, None, False)
     with _memo_lock:

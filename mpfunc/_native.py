@@ -60,6 +60,7 @@ __all__ = [
     "casts",
     "key_function",
     "load",
+    "loaded",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "adam_mixed.cpp"
@@ -285,6 +286,11 @@ def load() -> ModuleType:
             raise _error from e
         _module = module
         return module
+
+
+def loaded() -> bool:
+    """Whether the module is built and loaded (never builds)."""
+    return _module is not None
 
 
 def key_function() -> Any:

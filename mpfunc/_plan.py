@@ -504,6 +504,8 @@ def _plan_elementwise(
     # A repeated step (step.memo: its checked inputs are identical to a past call's) with a
     # state of identical structure and leaf metadata: the checks below passed and the
     # per-leaf decisions were these groups. Only index lists and kernel names are kept.
+    # (``_native.loaded()``, not ``available()``: a key never builds the native module; a
+    # first plan that builds it is stored under "not loaded" and planned once more.)
     memo_key: Any = None
     groups: list[tuple[tuple[object, ...], list[int]]] | None = None
     parts: list[Any] = []
@@ -516,7 +518,7 @@ def _plan_elementwise(
             memo_key = (
                 fn, step.state_name, rule.name, rule.state_type, tuple(rule.kernels.items()),
                 tuple(kinds_of.items()), hyper, impl, state_dtype, step.skip is None,
-                step.scale is None, step.stats is None, _native.available(),
+                step.scale is None, step.stats is None, _native.loaded(),
                 tuple(specs), tuple(parts),
             )  # fmt: skip
             try:
