@@ -784,6 +784,17 @@ class MemoEntry:
         with _memo_lock:
             return self.plans.get(key)
 
+    def child(self, key: Hashable) -> MemoEntry:
+        """The entry of a part of this call (a ``partition``'s group: its leaves cut by
+        ``key``), made on first use; it holds plans like this one."""
+        with _memo_lock:
+            entry = self.plans.get(("child", key))
+            if not isinstance(entry, MemoEntry):
+                entry = self.plans[("child", key)] = MemoEntry()
+                while len(self.plans) > 8:
+                    self.plans.popitem(last=False)
+        return entry
+
     def put(self, key: Hashable, value: Any, parts: Sequence[Any]) -> None:
         """Remembers ``value`` under ``key`` if every leaf key in ``parts`` is memoizable."""
         if not _enabled[0] or not all(map(_memoizable_part, parts)):

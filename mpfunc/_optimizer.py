@@ -80,7 +80,8 @@ class Step(NamedTuple):
             kinds=maybe(self.kinds),
             model=None if p is None else p._replace(leaves=cut(p.leaves)),
             stats=maybe(self.stats),
-            memo=None,  # a sub-plan sees a cut of the leaves: planned in full
+            # A sub-plan remembers its decisions under this cut of the leaves.
+            memo=None if self.memo is None else self.memo.child((state_name, tuple(keep))),
         )
 
 

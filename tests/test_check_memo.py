@@ -437,3 +437,38 @@ def _strategy_face(x: Any) -> torch.Tensor:
     from mpfunc import _strategy
 
     return _strategy.face(x)  # type: ignore[no-any-return]
+
+
+def _partitioned() -> dict[str, Any]:
+    t = _one_pass()
+    t["opt"] = mpfunc.partition(
+        {"decay": mpfunc.adamw(lr=1e-2, weight_decay=0.1), "flat": mpfunc.adam(lr=1e-2)},
+        lambda path, m: "decay" if m.ndim == 2 else "flat",
+    )
+    t["state"] = t["opt"].init(t["masters"])
+    return t
+
+
+def test_a_repeated_partition_step_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    _checks.clear_memo()
+    t, ref = _partitioned(), _partitioned()
+    calls = _spy_plan(monkeypatch)
+    _update(t)
+    assert calls.count("decide") == 2
+    calls.clear()
+    _update(t)
+    _update(t)
+    assert calls == []
+    with _checks.memo_off():
+        for _ in range(3):
+            _update(ref)
+    for name in ("masters", "params"):
+        assert_trees_bits_equal(t[name], ref[name])
+    for label in ("decay", "flat"):
+        assert_trees_bits_equal(t["state"][label], ref["state"][label])
+    # Across labels: a "flat" moment made to share the "decay" master's memory.
+    t["state"]["flat"].exp_avg["b"].data = t["masters"]["a"].data[0]
+    snap = snapshot(t)
+    with pytest.raises(ValueError, match=r"that shares no memory"):
+        _update(t)
+    assert_unchanged(t, snap)
