@@ -75,6 +75,8 @@ def _recall(
     optree's C flatten, no Python per node) and its entry if these checks passed before;
     a ``None`` key where the trees may not be remembered. ``flat``: per tree, its leaves,
     spec and leaf keys (``None`` for an absent ``params``/``stats``)."""
+    if not _checks.memo_enabled():
+        return None, [], None
     flat: list[tuple[list[Any], Any, Any]] = []
     for tree, present in ((masters, True), (grads, True), (params, params is not None),
                           (stats, stats is not None)):  # fmt: skip

@@ -51,6 +51,7 @@ __all__ = [
     "leaf_keys",
     "lr",
     "master_dtype",
+    "memo_enabled",
     "memo_entry",
     "memo_off",
     "memo_passed",
@@ -709,6 +710,11 @@ def clear_memo() -> None:
 
 
 _enabled = [True]
+
+
+def memo_enabled() -> bool:
+    """False inside ``memo_off()``: call sites then skip building keys."""
+    return _enabled[0]
 
 
 @contextlib.contextmanager

@@ -34,6 +34,8 @@ def _recall(
     fn: str, masters: Any, params: Any
 ) -> tuple[Any, list[tuple[list[Any], Any, Any]], _checks.MemoEntry | None]:
     """The memo key of both trees (units opened) and its entry if these checks passed."""
+    if not _checks.memo_enabled():
+        return None, [], None
     flat = []
     for tree in (masters, params):
         leaves, spec = _tree.flatten(tree)
