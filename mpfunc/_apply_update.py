@@ -54,6 +54,91 @@ def _check(
             f"torch_optimizer), got {_checks.describe(opt)}"
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
+    # A repeated step on the same trees (same structure and leaf metadata, addresses
+    # included) passed these checks before: they are skipped (_checks.memo_entry).
+    key, flat, entry = _recall(fn, masters, grads, params, stats)
+    if entry is not None and entry.info is not None:
+        divisor = _loss_scale.scale_value(fn, scale)
+        return _recalled(entry, flat, masters, grads, skip, params, divisor, stats)
+    step = _check_all(fn, masters, grads, skip, params, scale, stats)
+    entry = _checks.memo_passed(key, [k for _, _, k in flat])
+    if entry is None:
+        return step
+    kinds = step.kinds or []
+    entry.info = (all(k is None for k in kinds), all(x is not None for x in step.masters.leaves))
+    return step._replace(memo=entry)
+
+
+def _recall(
+    fn: str, masters: Any, grads: Any, params: Any, stats: Any
+) -> tuple[Any, list[tuple[list[Any], Any, Any]], _checks.MemoEntry | None]:
+    """The memo key of a step's trees (structure and every leaf's metadata, units opened:
+    optree's C flatten, no Python per node) and its entry if these checks passed before;
+    a ``None`` key where the trees may not be remembered. ``flat``: per tree, its leaves,
+    spec and leaf keys (``None`` for an absent ``params``/``stats``)."""
+    if not _checks.memo_enabled():
+        return None, [], None
+    flat: list[tuple[list[Any], Any, Any]] = []
+    for tree, present in ((masters, True), (grads, True), (params, params is not None),
+                          (stats, stats is not None)):  # fmt: skip
+        if not present:
+            flat.append(([], None, ()))
+            continue
+        leaves, spec = _tree.flatten(tree)
+        k = _checks.leaf_keys(leaves)
+        if k is None:
+            return None, [], None
+        flat.append((leaves, spec, k))
+    key, entry = _checks.memo_entry(
+        (fn, *(spec for _, spec, _ in flat)), tuple(k for _, _, k in flat)
+    )
+    return key, flat, entry
+
+
+def _recalled(
+    entry: _checks.MemoEntry,
+    flat: list[tuple[list[Any], Any, Any]],
+    masters: Any,
+    grads: Any,
+    skip: torch.Tensor | None,
+    params: Any,
+    divisor: torch.Tensor | None,
+    stats: Any,
+) -> Step:
+    """The ``Step`` that ``_check_all`` returned for identical inputs, rebuilt without
+    checking (``entry.info``: every master a plain tensor, so the trees hold no unit and
+    ``flat`` is what ``flatten(units=True)`` gives; no master ``None``)."""
+    plain, full = entry.info
+    kinds: list[Any]
+    if plain:
+        leaves, m_spec = flat[0][0], flat[0][1]
+        faces, kinds = leaves, [None] * len(leaves)
+    else:
+        leaves, m_spec = _tree.flatten(masters, units=True)
+        faces = [_strategy.face(x) for x in leaves]
+        kinds = [_strategy.by_unit(x) for x in leaves]
+    m = _checks.Side("masters", masters, leaves, units=True)
+    g = _checks.Side("grads", grads, flat[1][0])
+    model = None
+    if params is not None:
+        p = _checks.Side("params", params, flat[2][0])
+        model = p if plain and full else p._replace(leaves=[
+            q if k is None and x is not None else None for x, q, k in zip(leaves, p.leaves, kinds)
+        ])  # fmt: skip
+    stat_leaves = None if stats is None else _tree.flatten(stats, units=True)[0]
+    return Step(m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor,
+                stats=stat_leaves, memo=entry)  # fmt: skip
+
+
+def _check_all(
+    fn: str,
+    masters: Any,
+    grads: Any,
+    skip: torch.Tensor | None,
+    params: Any,
+    scale: object,
+    stats: Any,
+) -> Step:
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
     g, g_spec = _checks.tensor_leaves(fn, "grads", grads)
     _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", grads, g_spec)
@@ -173,7 +258,8 @@ def apply_update(
     m = step.masters._replace(tree=new_masters, leaves=leaves)
     faces = [_strategy.face(x) for x in leaves]
     with _sharding.kept(_sharding.tensors(new_masters, new_state)):
-        _run(opt.plan(step._replace(masters=m, faces=faces), new_state, fn))
+        # Fresh copies every call: nothing to remember for their plan.
+        _run(opt.plan(step._replace(masters=m, faces=faces, memo=None), new_state, fn))
     return new_masters, new_state
 
 

@@ -58,7 +58,9 @@ __all__ = [
     "cast_",
     "cast_agrees",
     "casts",
+    "key_function",
     "load",
+    "loaded",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "adam_mixed.cpp"
@@ -284,6 +286,17 @@ def load() -> ModuleType:
             raise _error from e
         _module = module
         return module
+
+
+def loaded() -> bool:
+    """Whether the module is built and loaded (never builds)."""
+    return _module is not None
+
+
+def key_function() -> Any:
+    """The built module's ``meta_key`` (the memo key of a list of leaves, see
+    ``_checks.leaf_keys``) if the module is loaded already, else ``None``: never builds."""
+    return getattr(_module, "meta_key", None)
 
 
 def available() -> bool:

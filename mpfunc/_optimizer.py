@@ -57,6 +57,9 @@ class Step(NamedTuple):
     model: Side | None = None
     scale: torch.Tensor | None = None
     stats: list[Any] | None = None
+    # The memo entry of these checked inputs (``_checks.MemoEntry``), where the plan may
+    # remember its per-leaf decisions; ``None``: plan in full.
+    memo: Any = None
 
     def only(self, keep: list[bool], state_name: str) -> Step:
         """The same step over the leaves where ``keep`` is true (others become ``None``):
@@ -77,6 +80,8 @@ class Step(NamedTuple):
             kinds=maybe(self.kinds),
             model=None if p is None else p._replace(leaves=cut(p.leaves)),
             stats=maybe(self.stats),
+            # A sub-plan remembers its decisions under this cut of the leaves.
+            memo=None if self.memo is None else self.memo.child((state_name, tuple(keep))),
         )
 
 

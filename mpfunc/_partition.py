@@ -117,9 +117,16 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         if functional:  # (a torch.optim state is no tree of tensors)
             # Each sub-plan checks aliasing among its own leaves; across labels too, once.
             # Masters kept by a strategy other than "fp32" are units (param + buffers).
-            everything, _ = _checks.tensor_leaves(where, "state", state)
-            masters = _plan.tensor_sides(step.masters)
-            _checks.check_no_alias(where, written=[*masters, everything], read=[step.grads])
+            # Remembered with the step's checks (step.memo) under the whole state's keys.
+            leaves, spec = _tree.flatten(state)
+            keys = None if step.memo is None else _checks.leaf_keys(leaves)
+            memo_key = None if keys is None else ("partition", where, spec, keys)
+            if memo_key is None or step.memo.get(memo_key) is None:
+                everything, _ = _checks.tensor_leaves(where, "state", state)
+                masters = _plan.tensor_sides(step.masters)
+                _checks.check_no_alias(where, written=[*masters, everything], read=[step.grads])
+                if memo_key is not None:
+                    step.memo.put(memo_key, True, [keys])
         return work
 
     return Optimizer(init=init, plan=plan, functional=functional, name=fn)

@@ -274,6 +274,20 @@ def _mixed_one_pass(pt: Point) -> Step:
     return lambda: apply(masters, grads, state, opt, params=params)
 
 
+def _mixed_no_memo(pt: Point) -> Step:
+    """As ``_mixed_one_pass`` with mpfunc's memo of passed checks off: every call checks and
+    plans each leaf in full, as before the memo (the side-by-side "before")."""
+    from mpfunc import _checks
+
+    step = _mixed_one_pass(pt)
+
+    def run() -> Any:
+        with _checks.memo_off():
+            return step()
+
+    return run
+
+
 def _mixed_kernel(pt: Point) -> Step:
     """The native kernel alone, on the lists ``_plan`` would give it: what the step costs
     without mpfunc's per-leaf checks and planning in Python."""
@@ -361,6 +375,7 @@ def all_cases() -> list[Case]:
     # The mixed step against torch's AdamW on an fp32 tree of the same shapes, interleaved.
     cases += [
         Case(MIXED, "mpfunc, 1 pass", MIXED_BYTES, UPDATE_ROOF, _mixed_one_pass),
+        Case(MIXED, "mpfunc, 1 pass, no memo", MIXED_BYTES, UPDATE_ROOF, _mixed_no_memo),
         Case(MIXED, "native kernel alone", MIXED_BYTES, UPDATE_ROOF, _mixed_kernel, ("cpu",)),
         Case(MIXED, "mpfunc, 3 calls", MIXED_BYTES, UPDATE_ROOF, _mixed_three_calls),
         Case(MIXED, "torch.optim fused, fp32 tree", ADAM_BYTES, UPDATE_ROOF,

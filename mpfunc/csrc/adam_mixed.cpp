@@ -39,6 +39,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -946,6 +947,44 @@ std::tuple<std::int64_t, bool> tune(std::int64_t chunk, bool stream_out) {
 }  // namespace
 }  // namespace mpfunc_native
 
+// The memo key of a list of pytree leaves (mpfunc/_checks.py, ``leaf_keys``): per leaf,
+// one byte for None, else the tensor's exact type (Tensor or Parameter), dtype, device,
+// ndim, sizes, strides and address, packed (each record delimits itself, so equal bytes
+// mean equal metadata). None where a leaf is anything else: a subclass or another object,
+// not strided, without storage, or on a device other than the CPU and CUDA. About 30 ns a
+// tensor where the same tuple built in Python costs ~700 ns.
+namespace mpfunc_native {
+py::object meta_key(py::handle leaves) {
+  PyObject* seq = leaves.ptr();
+  if (!PyList_Check(seq)) return py::none();
+  const Py_ssize_t n = PyList_GET_SIZE(seq);
+  std::string out;
+  out.reserve(static_cast<size_t>(n) * 56);
+  auto put = [&out](int64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(seq, i);
+    if (obj == Py_None) {
+      out.push_back(0);
+      continue;
+    }
+    if (!THPVariable_CheckExact(obj)) return py::none();
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.layout() != at::kStrided || !t.has_storage()) return py::none();
+    const c10::Device dev = t.device();
+    if (!(dev.is_cpu() || dev.is_cuda())) return py::none();
+    out.push_back(Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(ParameterClass) ? 2 : 1);
+    out.push_back(static_cast<char>(t.scalar_type()));
+    out.push_back(static_cast<char>(dev.type()));
+    out.push_back(static_cast<char>(dev.index()));
+    put(t.dim());
+    for (int64_t s : t.sizes()) put(s);
+    for (int64_t s : t.strides()) put(s);
+    put(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
+  }
+  return py::bytes(out);
+}
+}  // namespace mpfunc_native
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mpfunc's native CPU kernels (see mpfunc/_native.py)";
   // The GIL is released once the lists are converted (the vectors hold the tensors),
@@ -958,6 +997,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_", &mpfunc_native::cast_,
         "dst[i] <- src[i] between float32 and bfloat16/float16, as Tensor.to rounds",
         py::call_guard<py::gil_scoped_release>());
+  m.def("meta_key", &mpfunc_native::meta_key,
+        "The memo key of a list of leaves as bytes, or None where one may not be remembered");
   m.def("_tune", &mpfunc_native::tune, "Benchmark knobs: (chunk, stream_out) -> previous");
   m.attr("CHUNK") = mpfunc_native::kChunk;
 }
