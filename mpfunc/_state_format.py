@@ -130,20 +130,19 @@ def store(
     if not xs or values[0] is xs[0]:
         return
     if isinstance(xs[0], QState):
-        noises: list[torch.Tensor | None] = [None] * len(xs)
+        noises: list[torch.Tensor | None] | None = None
         if kind == "square" and steps is not None:
             noises = [
                 _rng.uniform(_key(t, salt), v.shape) for t, salt, v in zip(steps, salts, values)
             ]
-        fresh = [_quantize.quantize(v.contiguous(), kind != "square", noise=n)
-                 for v, n in zip(values, noises)]  # fmt: skip
+        old = [(q.codes.clone(), q.scale.clone()) for q in xs] if skip is not None else []
+        # One batched encode for the whole list on XLA (a few ops per tensor, not dozens).
+        _quantize.quantize_list_([v.contiguous() for v in values], xs, noises=noises)
         if skip is not None:
-            fresh = [
-                QState(torch.where(skip, q.codes, f.codes), torch.where(skip, q.scale, f.scale))
-                for q, f in zip(xs, fresh)
-            ]
-        torch._foreach_copy_([q.codes for q in xs], [f.codes for f in fresh])
-        torch._foreach_copy_([q.scale for q in xs], [f.scale for f in fresh])
+            codes = [torch.where(skip, c, q.codes) for (c, _), q in zip(old, xs)]
+            scales = [torch.where(skip, s, q.scale) for (_, s), q in zip(old, xs)]
+            torch._foreach_copy_([q.codes for q in xs], codes)
+            torch._foreach_copy_([q.scale for q in xs], scales)
         return
     rounded = [v.to(x.dtype) for x, v in zip(xs, values)]
     if skip is not None:
