@@ -7,7 +7,14 @@ Four transforms over parameter trees, each pure with an in-place twin::
     masters, state = mpfunc.apply_update(masters, g32, state, opt)
     params = mpfunc.masters_to_model(masters, params)           # round back
 
-and the pieces a training loop needs around them: sync-free loss scaling and
+or the whole mixed step in one pass, low-precision grads in and params out::
+
+    mpfunc.apply_update_(masters, grads, state, opt, params=params)
+
+Masters may be kept by a strategy (``init_master(params, strategy="remainder")``: fp32,
+remainder, kahan, stochastic, none) and moments in ``state_dtype`` fp32, bf16 or 8-bit;
+``MasterOptimizer`` wraps it all as a ``torch.optim.Optimizer``. And the pieces a
+training loop needs around them: sync-free loss scaling and
 step skipping, global-norm clipping, fp32 accumulation, a precision policy,
 per-leaf hyperparameters, checkpoints and data parallelism. Import only from
 ``mpfunc``; the ``_``-prefixed modules are private.
