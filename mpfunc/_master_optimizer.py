@@ -154,6 +154,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._states: dict[str, Any] = {}  # label -> that group's mpfunc state
         self._built: dict[str, tuple[Any, Optimizer]] = {}  # label -> (values, optimizer)
         self._lr_dev: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}
+        self._varying: set[str] = set()  # groups whose non-lr values change (XLA: foreach)
         self._opt: Optimizer | None = None  # the partition, rebuilt when a group changes
         super().__init__(params, full)
 
@@ -309,7 +310,16 @@ class MasterOptimizer(torch.optim.Optimizer):
         held = self._built.get(label)
         if held is not None and held[0] == key:
             return False
-        self._built[label] = (key, self._factory(**values))
+        lazy = bool(params) and _plan.is_lazy(params[0].device)
+        if held is not None and lazy:
+            # A value other than the lr changes during training (OneCycleLR's betas): the
+            # one-node XLA kernel bakes hyperparameters into its computation, which would
+            # recompile at every new value; the foreach path takes them as graph data.
+            self._varying.add(label)
+        build = dict(values)
+        if label in self._varying and build.get("impl") == "auto":
+            build["impl"] = "foreach"
+        self._built[label] = (key, self._factory(**build))
         return True
 
     def _optimizer(self) -> Optimizer:

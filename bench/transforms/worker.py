@@ -67,11 +67,14 @@ def time_interleaved(
     (3 rounds suffice when they have used 5 times that). Also counts the graphs
     compiled during each step's timed calls (XLA only).
     """
-    for t in timed:
-        for _ in range(warmup):
+    # Warm-up rounds interleaved like the timed ones: on XLA a step whose inputs another
+    # step wrote last compiles its own graph once, which sequential warm-ups would miss.
+    for _ in range(warmup):
+        for t in timed:
             if t.step is not None:
                 t.call(sync)
-        if compiles() is not None:
+    if compiles() is not None:
+        for t in timed:
             t.compiles = 0
     spent = 0.0
     for r in range(repeats):

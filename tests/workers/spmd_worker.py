@@ -207,6 +207,14 @@ class Run:
                 bad.append(f"{where}: {path}: expected {want}, got {got or 'no annotation'}")
 
 
+def check_state(run: Any, when: str, state: Any, sharded: bool, bad: list[str]) -> None:
+    """Moments sharded like the masters, step counts replicated; a partition's state (the
+    8-bit case keeps small leaves in fp32) is a dict of states."""
+    for sub in state.values() if isinstance(state, dict) else [state]:
+        run.check(f"{when}: state", sub._replace(step=None), sharded, bad)
+        run.check(f"{when}: state.step", sub.step, False, bad)
+
+
 def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
     start = time.perf_counter()
     params_sharded = case.mode == "fsdp"
@@ -235,8 +243,7 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
     for when in ("init", "init synced"):
         run.check(f"{when}: params", params, params_sharded, bad)
         run.check(f"{when}: masters", masters, masters_sharded, bad)
-        run.check(f"{when}: state", state._replace(step=None), masters_sharded, bad)
-        run.check(f"{when}: state.step", state.step, False, bad)
+        check_state(run, when, state, masters_sharded, bad)
         run.check(f"{when}: grad buffers", gbuf, masters_sharded, bad)
     counts: dict[str, int] = {}
     names = ("CompileTime", "ExecuteReplicatedTime", "TransferFromDeviceTime",
@@ -268,14 +275,13 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
                 p.grad = None
         label = "apply_update" if case.pure else "apply_update_"
         run.check(f"step {k} {label}: masters", masters, masters_sharded, bad)
-        run.check(f"step {k} {label}: state", state._replace(step=None), masters_sharded, bad)
-        run.check(f"step {k} {label}: state.step", state.step, False, bad)
+        check_state(run, f"step {k} {label}", state, masters_sharded, bad)
         label = "masters_to_model" if case.pure else "masters_to_model_"
         run.check(f"step {k} {label}: params", params, params_sharded, bad)
         run.sync()
         run.check(f"step {k} synced: params", params, params_sharded, bad)
         run.check(f"step {k} synced: masters", masters, masters_sharded, bad)
-        run.check(f"step {k} synced: state", state._replace(step=None), masters_sharded, bad)
+        check_state(run, f"step {k} synced", state, masters_sharded, bad)
     deltas = {n: run.count(n) - counts[n] for n in names}
     leaves = [t for t in mpfunc._tree.flatten((masters, state))[0] if t is not None]
     per_device = run.spmd.device_bytes(leaves)
