@@ -15,19 +15,29 @@ _PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
                what="a floating-point parameter for this master", spare=True)  # fmt: skip
 
 
-def _check(fn: str, masters: Any, params: Any, in_place: bool) -> tuple[Side, Side, Any]:
+def _sources(masters: list[Any], params: list[Any]) -> list[Any]:
+    """Per leaf, the tensor to round into the param in place: the master, a unit's param,
+    or ``None`` where a unit's param IS the param (the step wrote it: nothing to copy)."""
+    return [
+        None if _strategy.is_unit(x) and x.param is q else _strategy.face(x)
+        for x, q in zip(masters, params)
+    ]
+
+
+def _check(fn: str, masters: Any, params: Any, in_place: bool) -> tuple[Side, Side, Any, bool]:
     """Masters (a unit stands for its param: it holds the rounded master already) and
-    params, checked; returns the masters as the tensors to round from."""
+    params, checked; returns the masters as the tensors to round from, and whether no
+    master is a unit."""
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
     p, p_spec = _checks.tensor_leaves(fn, "params", params)
     _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
-    units = [_strategy.by_unit(x) is not None for x in m.leaves]
-    m = m._replace(leaves=[_strategy.face(x) for x in m.leaves])
-    _checks.check_pairs(fn, m, p, _PARAMS)
-    if in_place:  # a unit's param that IS the param was written by the step: no copy
-        m = m._replace(leaves=[None if u and t is q else t
-                               for t, q, u in zip(m.leaves, p.leaves, units)])  # fmt: skip
-    return m, p, p_spec
+    plain = not any(_strategy.is_unit(x) for x in m.leaves)
+    _checks.check_pairs(fn, m._replace(leaves=[_strategy.face(x) for x in m.leaves]), p, _PARAMS)
+    if in_place:
+        m = m._replace(leaves=_sources(m.leaves, p.leaves))
+    else:
+        m = m._replace(leaves=[_strategy.face(x) for x in m.leaves])
+    return m, p, p_spec, plain
 
 
 def _recall(
@@ -56,11 +66,7 @@ def _recalled(
     if plain:
         return Side("masters", masters, flat[0][0], units=True), p
     leaves = _tree.flatten(masters, units=True)[0]
-    faces = [
-        None if _strategy.is_unit(x) and x.param is q else _strategy.face(x)
-        for x, q in zip(leaves, p.leaves)
-    ]
-    return Side("masters", masters, faces, units=True), p
+    return Side("masters", masters, _sources(leaves, p.leaves), units=True), p
 
 
 @_gc.without_gc
@@ -84,7 +90,7 @@ def masters_to_model(masters: Any, params: Any) -> Any:
       TypeError: a master is not float32/float64 or its parameter is not floating point.
       ValueError: the trees differ in structure, or a shape or device differs.
     """
-    m, p, spec = _check("masters_to_model", masters, params, in_place=False)
+    m, p, spec, _ = _check("masters_to_model", masters, params, in_place=False)
     with torch.no_grad():
         # Each new param has its param's XLA SPMD sharding, not its master's (ZeRO-1).
         out = [
@@ -123,15 +129,13 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
     if entry is not None and entry.info is not None:
         m, p = _recalled(entry.info, flat, masters, params)
     else:
-        m, p, _ = _check(fn, masters, params, in_place=True)
+        m, p, _, plain = _check(fn, masters, params, in_place=True)
         written = p.where_present(m.leaves)
         _checks.check_writable(fn, [written])
         _checks.check_no_alias(fn, written=[written], read=[m])
         entry = _checks.memo_passed(key, [k for _, _, k in flat])
         if entry is not None:
-            entry.info = not any(
-                _strategy.is_unit(x) for x in _tree.flatten(masters, units=True)[0]
-            )
+            entry.info = plain
     pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]
     _plan.copy_grouped_([q for q, _ in pairs], [t for _, t in pairs])
     return params

@@ -462,10 +462,11 @@ def _run_mixed(mx: Mixed, hyper: Any) -> None:
     for name, kind in mx.kinds.items():
         xs = mx.fields[name]
         state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute)
+    # For stats: the values and the params before the step (a unit's own param, or the
+    # model params the step writes; none when it writes no param).
+    watched = [u.param for u in mx.masters] if mx.strategy.unit else mx.model
     old = [v.clone() for v in values] if mx.stats is not None else None
-    before = (
-        [u.param.clone() for u in mx.masters] if mx.stats is not None and mx.strategy.unit else None
-    )
+    before = [p.clone() for p in watched] if mx.stats is not None and watched else None
     group_state = mx.state_type(**{n: state.get(n) for n in mx.state_type._fields})
     mx.kernel(Group(values, grads, group_state, mx.lr, mx.skip), hyper)
     for name, kind in mx.kinds.items():
@@ -473,22 +474,13 @@ def _run_mixed(mx: Mixed, hyper: Any) -> None:
             _state_format.store(mx.fields[name], state[name], kind, mx.skip,
                                 mx.fields.get("step"), mx.salts)  # fmt: skip
     mx.strategy.store(mx.masters, values, mx.skip)
-    params_before = None
     if mx.model is not None:
-        if mx.stats is not None:
-            params_before = [p.clone() for p in mx.model]
         rounded = [v.to(p.dtype) for p, v in zip(mx.model, values)]
         if mx.skip is not None:
             rounded = [torch.where(mx.skip, p, r) for p, r in zip(mx.model, rounded)]
         torch._foreach_copy_(mx.model, rounded)
     if mx.stats is not None and old is not None:
-        if before is not None:
-            now = [u.param for u in mx.masters]
-        elif mx.model is not None and params_before is not None:
-            before, now = params_before, mx.model
-        else:
-            before = now = None
-        _diagnostics.record(mx.stats, old, values, before, now)
+        _diagnostics.record(mx.stats, old, values, before, watched if before else None)
 
 
 def _plan_elementwise(

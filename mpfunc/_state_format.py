@@ -23,21 +23,14 @@ import torch
 from mpfunc import _checks, _quantize, _rng, _tree
 from mpfunc._quantize import QState
 
-__all__ = ["STATE_DTYPES", "load", "store", "zeros"]
-
-STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.uint8)
+__all__ = ["check_quantizable", "load", "problem", "store", "stored_dtype", "zeros"]
 
 _tree.register_unit(QState)
 
 
-def moment_dtype(face: torch.Tensor, state_dtype: torch.dtype | None, is_fp32: bool) -> torch.dtype:
-    """The dtype a moment is computed in: the master's for ``"fp32"`` masters, else fp32."""
-    if is_fp32 and face.dtype in (torch.float32, torch.float64):
-        return face.dtype
-    return torch.float32
-
-
 def stored_dtype(compute: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a moment is stored in: ``state_dtype``, or the dtype it is computed in
+    (``_plan._compute_dtype``) when that is ``None``."""
     return compute if state_dtype is None else state_dtype
 
 
