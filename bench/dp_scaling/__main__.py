@@ -40,11 +40,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.common import cli
 from bench.common import meta as meta_mod
 from bench.common.machine import usable_cores
 from bench.common.model_config import ModelConfig, count
 from bench.common.procs import Progress, WorkerError, WorkerProcess, ms, preload, shutdown
-from bench.common.report import read_json, write_json
+from bench.common.report import write_json
 from bench.dp_scaling import report
 from bench.dp_scaling.config import MODES, PRESETS, SCHEDULES
 
@@ -240,10 +241,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
-    warmup, blocks, steps = SCHEDULES[args.preset]
-    args.warmup = warmup if args.warmup is None else args.warmup
-    args.blocks = blocks if args.blocks is None else args.blocks
-    args.steps = steps if args.steps is None else args.steps
+    cli.fill_schedule(args, SCHEDULES)
     if args.warmup < 0 or args.blocks < 1 or args.steps < 1 or args.threads < 0:
         p.error("need --warmup >= 0, --blocks >= 1, --steps >= 1 and --threads >= 0")
     if args.bucket_mib <= 0 or args.timeout <= 0:
@@ -251,25 +249,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.bucket_bytes = int(args.bucket_mib * 2**20)
     if args.worlds is None:
         args.worlds = "1,2" if args.preset == "smoke" else "1,2,4"
-    try:
-        args.world_list = sorted({int(w) for w in args.worlds.split(",") if w.strip()})
-    except ValueError:
-        p.error(f"--worlds: expected comma-separated integers, got {args.worlds!r}")
-    if not args.world_list or args.world_list[0] < 1:
-        p.error("--worlds: expected world sizes >= 1")
-    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = sorted(set(args.mode_list) - set(MODES))
-    if bad or not args.mode_list:
-        p.error(f"--modes: unknown {', '.join(bad)}; choose among {', '.join(MODES)}")
+    args.world_list = cli.counts(p, "--worlds", args.worlds, "world sizes")
+    args.mode_list = cli.names(p, "--modes", args.modes, MODES)
     return args
-
-
-def render(result: dict[str, Any], out: Path) -> str:
-    """Writes dp_scaling.md and .png from a result (fresh, or read back); returns the table."""
-    table = report.markdown(result)
-    (out / "dp_scaling.md").write_text(table)
-    report.plot(result, out / "dp_scaling.png")
-    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     say = Progress(sys.stderr, "dp_scaling")
     out = args.out.resolve()
     if args.render_only:
-        table = render(read_json(out / "dp_scaling.json"), out)
-        say(f"rewrote dp_scaling.md and .png in {out}")
-        sys.stdout.write(table)
-        return 0
+        return cli.rerender("dp_scaling", report, out, say)
     run = meta_mod.Run("dp_scaling", argv)
     overrides = {
         f.name: getattr(args, f.name)
@@ -331,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_scaling(result)
 
     write_json(out / "dp_scaling.json", result)
-    table = render(result, out)
+    table = cli.render("dp_scaling", report, result, out)
     say(f"done in {result['meta']['wall_s']:.0f}s; wrote dp_scaling.md, .json, .png to {out}")
     sys.stdout.write(table)
     failed = [

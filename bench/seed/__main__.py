@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.common import cli
 from bench.common import meta as meta_mod
 from bench.common.model_config import ModelConfig, count
 from bench.common.procs import (
@@ -50,7 +51,7 @@ from bench.common.procs import (
     ready,
     shutdown,
 )
-from bench.common.report import read_json, write_json
+from bench.common.report import write_json
 from bench.seed import report
 from bench.seed.config import DEVICES, MODES, PRESETS, SCHEDULES, runs_on
 
@@ -237,25 +238,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
-    warmup, blocks, steps = SCHEDULES[args.preset]
-    args.warmup = warmup if args.warmup is None else args.warmup
-    args.blocks = blocks if args.blocks is None else args.blocks
-    args.steps = steps if args.steps is None else args.steps
+    cli.fill_schedule(args, SCHEDULES)
     if args.warmup < 0 or args.blocks < 1 or args.steps < 1 or args.jobs < 1:
         p.error("need --warmup >= 0, --blocks >= 1, --steps >= 1 and --jobs >= 1")
-    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = sorted(set(args.mode_list) - set(MODES))
-    if bad or not args.mode_list:
-        p.error(f"--modes: unknown {', '.join(bad)}; choose among {', '.join(MODES)}")
+    args.mode_list = cli.names(p, "--modes", args.modes, MODES)
     return args
-
-
-def render(result: dict[str, Any], out: Path) -> str:
-    """Writes seed.md and seed.png from a result (fresh, or read back); returns the table."""
-    table = report.markdown(result)
-    (out / "seed.md").write_text(table)
-    report.plot(result, out / "seed.png")
-    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     say = Progress(sys.stderr, "seed")
     out = args.out.resolve()
     if args.render_only:
-        table = render(read_json(out / "seed.json"), out)
-        say(f"rewrote seed.md and seed.png in {out}")
-        sys.stdout.write(table)
-        return 0
+        return cli.rerender("seed", report, out, say)
     run = meta_mod.Run("seed", argv)
     preset = PRESETS[args.preset]
     overrides = {
@@ -337,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = report.targets(result)
 
     write_json(out / "seed.json", result)
-    table = render(result, out)
+    table = cli.render("seed", report, result, out)
     say(f"done in {result['meta']['wall_s']:.0f}s; wrote seed.md, seed.json, seed.png to {out}")
     sys.stdout.write(table)
     failed = [

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.common import cli
 from bench.common import meta as meta_mod
 from bench.common.model_config import ModelConfig, count
 from bench.common.procs import Progress
@@ -127,31 +128,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.fast_compile = "smoke", True
-    warmup, blocks, steps = SCHEDULES[args.preset]
-    args.warmup = warmup if args.warmup is None else args.warmup
-    args.blocks = blocks if args.blocks is None else args.blocks
-    args.steps = steps if args.steps is None else args.steps
+    cli.fill_schedule(args, SCHEDULES)
     if args.warmup < 1 or args.blocks < 1 or args.steps < 1 or args.threads < 1:
         p.error("need --warmup, --blocks, --steps and --threads >= 1")
-    try:
-        args.device_list = sorted({int(d) for d in args.devices.split(",") if d.strip()})
-    except ValueError:
-        p.error(f"--devices: expected comma-separated integers, got {args.devices!r}")
-    if not args.device_list or args.device_list[0] < 1:
-        p.error("--devices: expected counts >= 1")
-    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = sorted(set(args.mode_list) - set(MODES))
-    if bad or not args.mode_list:
-        p.error(f"--modes: unknown {', '.join(bad)}; choose among {', '.join(MODES)}")
+    args.device_list = cli.counts(p, "--devices", args.devices, "counts")
+    args.mode_list = cli.names(p, "--modes", args.modes, MODES)
     return args
-
-
-def render(result: dict[str, Any], out: Path) -> str:
-    """Writes spmd.md and .png from a result (fresh, or read back); returns the table."""
-    table = report.markdown(result)
-    (out / "spmd.md").write_text(table)
-    report.plot(result, out / "spmd.png")
-    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     say = Progress(sys.stderr, "spmd")
     out = args.out.resolve()
     if args.render_only:
-        table = render(read_json(out / "spmd.json"), out)
-        say(f"rewrote spmd.md and .png in {out}")
-        sys.stdout.write(table)
-        return 0
+        return cli.rerender("spmd", report, out, say)
     run = meta_mod.Run("spmd", argv)
     cfg = PRESETS[args.preset]
     bad = [n for n in args.device_list if cfg.batch % n]
@@ -188,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["meta"] = run.finish(threads=args.threads)
     write_json(out / "spmd.json", result)
-    table = render(result, out)
+    table = cli.render("spmd", report, result, out)
     say(f"done in {result['meta']['wall_s']:.0f}s; wrote spmd.md, .json, .png to {out}")
     sys.stdout.write(table)
     failed = [n for n, d in result["devices"].items() if "error" in d]
