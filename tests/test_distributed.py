@@ -116,3 +116,24 @@ def test_shard_plan_is_balanced_and_deterministic() -> None:
 def test_all_reduce_needs_an_initialized_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         mpfunc.all_reduce_grads({"w": torch.ones(2)})
+
+
+def test_only_a_teardown_abort_after_the_final_barrier_counts_as_finished(
+    tmp_path: pathlib.Path,
+) -> None:
+    """check_ok forgives exactly one thing: torch's gloo teardown aborting a rank whose
+    scenario finished on every rank. A crash before the barrier is still a failure."""
+    import subprocess
+
+    from support.ranks import TEARDOWN_ABORT, finished
+
+    def rank(code: int, err: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(
+            ["py", "w.py", "save", "1", "4", str(tmp_path)], code, "", err
+        )
+
+    assert finished(rank(0, ""))
+    assert not finished(rank(-6, TEARDOWN_ABORT))  # no marker: it died inside the scenario
+    (tmp_path / "done-save-rank1").touch()
+    assert finished(rank(-6, "warning\n" + TEARDOWN_ABORT + "\n"))
+    assert not finished(rank(1, "Traceback ...\nRuntimeError: boom"))

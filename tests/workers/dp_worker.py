@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import sys
 from typing import Any
 
@@ -465,7 +466,16 @@ def main(scenarios: dict[str, Any] = SCENARIOS) -> None:
     finally:
         if name != "dead":
             dist.barrier()
-        dist.destroy_process_group()
+    # Every rank finished its scenario (the barrier above): say so before the teardown,
+    # which is torch's, not ours. gloo's worker threads can abort the process while the
+    # interpreter finalizes ("terminate called without an active exception", seen once in a
+    # CI run on a loaded 2-core machine; pytorch#190489, pytorch#179291), so
+    # the process leaves with os._exit once the group is destroyed and its output flushed.
+    pathlib.Path(out, f"done-{name}-rank{rank}").touch()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
