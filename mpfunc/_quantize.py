@@ -408,8 +408,13 @@ def dequantize_list(qs: Sequence[QState], *, batch: bool | None = None) -> list[
     codes = torch.cat([_as_blocks(q.codes.reshape(-1)).view(-1) for q in qs])
     y = _decode(codes, torch.cat([q.scale for q in qs]), signed).view(-1)
     sizes = [q.scale.numel() * BLOCK for q in qs]
+    # Fresh tensors, not views of ``y``: kernels update their moments in place, and on XLA
+    # an in-place write to one view of a base rewrites the base and re-slices every other
+    # view from it, so k views made a graph quadratic in k (the 101-leaf seed model's
+    # 8-bit step compiled in ~260 s and ran 11.5 s; NOTES.md).
     return [
-        part[: q.codes.numel()].view(q.codes.shape) for part, q in zip(torch.split(y, sizes), qs)
+        part[: q.codes.numel()].view(q.codes.shape).clone()
+        for part, q in zip(torch.split(y, sizes), qs)
     ]
 
 

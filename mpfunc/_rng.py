@@ -65,13 +65,33 @@ def advance(keys: list[torch.Tensor]) -> None:
     torch._foreach_copy_(keys, nxt)
 
 
+# On lazy devices, the row length of the element index (see ``_index``).
+_COLS = 1024
+
+
+def _index(n: int, device: torch.device) -> torch.Tensor:
+    """The row-major element index ``0 .. n-1`` (int32) on ``device``.
+
+    torch_xla 2.9 traces ``torch.arange(n)`` as a constant literal of ``n`` elements built
+    on the host: ~9 ms of tracing per 65,536 elements, and tens of MB of constants in the
+    graph of a real model, which XLA then compiles. On XLA the index is built as
+    ``row * _COLS + col`` from two short ranges instead; the values are the same.
+    """
+    if device.type != "xla" or n <= _COLS:
+        return torch.arange(n, dtype=torch.int32, device=device)
+    rows = -(-n // _COLS)
+    row = torch.arange(rows, dtype=torch.int32, device=device).mul(_COLS).unsqueeze(1)
+    col = torch.arange(_COLS, dtype=torch.int32, device=device)
+    return torch.add(row, col).view(-1)[:n]
+
+
 def bits(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """32 random bits per element (int32) of a tensor of ``shape``, on ``key``'s device."""
     n = 1
     for s in shape:
         n *= s
-    i = torch.arange(n, dtype=torch.int32, device=key.device).reshape(shape)
-    x = _mix(i.mul_(_GOLDEN).add_(key))
+    i = _index(n, key.device).reshape(shape)
+    x = _mix(i.mul(_GOLDEN).add_(key))
     return _mix(x.bitwise_xor_(key))
 
 
