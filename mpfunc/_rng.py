@@ -17,9 +17,12 @@ kernels and XLA do); right shifts are made logical with a mask.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["advance", "bits", "key_for", "uniform"]
+__all__ = ["advance", "bits", "bits_list", "key_for", "uniform", "uniform_list"]
 
 _GOLDEN = -1640531535  # 0x9E3779B1 as int32
 _M1 = -2048144789  # 0x85EBCA6B
@@ -97,4 +100,52 @@ def bits(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor
 
 def uniform(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """Draws in [0, 1) with 24 random bits each, float32, of ``shape``."""
-    return _shr(bits(key, shape), 8).to(torch.float32).mul_(2.0**-24)
+    return _to_uniform(bits(key, shape))
+
+
+def _to_uniform(b: torch.Tensor) -> torch.Tensor:
+    return _shr(b, 8).to(torch.float32).mul_(2.0**-24)
+
+
+Shape = torch.Size | tuple[int, ...]
+
+
+def _batched(keys: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> bool:
+    if len(keys) != len(shapes):
+        raise ValueError(f"expected one shape per key, got {len(shapes)} for {len(keys)} keys")
+    return len(keys) > 1 and keys[0].device.type == "xla"
+
+
+def _bits_flat(keys: Sequence[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The draws of every key side by side: element ``j`` of key ``m`` is hashed with its
+    own leaf index ``j`` and key ``m``, as ``bits`` does."""
+    device = keys[0].device
+    i = torch.cat([_index(n, device) for n in sizes])
+    k = torch.cat([key.reshape(1).expand(n) for key, n in zip(keys, sizes)])
+    x = _mix(i.mul_(_GOLDEN).add_(k))
+    return _mix(x.bitwise_xor_(k))
+
+
+def _split(flat: torch.Tensor, sizes: list[int], shapes: Sequence[Shape]) -> list[torch.Tensor]:
+    return [part.view(s) for part, s in zip(torch.split(flat, sizes), shapes)]
+
+
+def bits_list(keys: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
+    """``bits(k, s)`` for each pair: the same bits.
+
+    On XLA the whole list is one chain of ops over the concatenated elements (each
+    element's leaf index and key laid side by side), not ~30 traced ops per tensor; the
+    results are read-only slices of that chain. Elsewhere, one call per tensor.
+    """
+    if not _batched(keys, shapes):
+        return [bits(k, s) for k, s in zip(keys, shapes)]
+    sizes = [math.prod(s) for s in shapes]
+    return _split(_bits_flat(keys, sizes), sizes, shapes)
+
+
+def uniform_list(keys: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
+    """``uniform(k, s)`` for each pair (batched on XLA as ``bits_list``)."""
+    if not _batched(keys, shapes):
+        return [uniform(k, s) for k, s in zip(keys, shapes)]
+    sizes = [math.prod(s) for s in shapes]
+    return _split(_to_uniform(_bits_flat(keys, sizes)), sizes, shapes)

@@ -125,9 +125,7 @@ def store(
     if isinstance(xs[0], QState):
         noises: list[torch.Tensor | None] | None = None
         if kind == "square" and steps is not None:
-            noises = [
-                _rng.uniform(_key(t, salt), v.shape) for t, salt, v in zip(steps, salts, values)
-            ]
+            noises = list(_rng.uniform_list(_keys(steps, salts), [v.shape for v in values]))
         old = [(q.codes.clone(), q.scale.clone()) for q in xs] if skip is not None else []
         # One batched encode for the whole list on XLA (a few ops per tensor, not dozens).
         _quantize.quantize_list_([v.contiguous() for v in values], xs, noises=noises)
@@ -143,7 +141,11 @@ def store(
     torch._foreach_copy_(xs, rounded)
 
 
-def _key(step: torch.Tensor, salt: int) -> torch.Tensor:
-    """The draw key of one leaf at one step: its step count (exact in fp32 below 2**24)
-    mixed with a per-leaf salt. A Python-int salt traces as a constant: no transfer."""
-    return _rng._mix(step.to(torch.int32).mul(-1640531535).add_(_rng._wrap(salt)))
+def _keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:
+    """The draw key of each leaf at this step: its step count (exact in fp32 below 2**24)
+    mixed with a per-leaf salt. A Python-int salt traces as a constant: no transfer. On XLA
+    the keys are mixed as one stacked vector (a few traced ops per leaf, not a dozen)."""
+    pre = [t.to(torch.int32).mul(-1640531535).add_(_rng._wrap(s)) for t, s in zip(steps, salts)]
+    if len(pre) > 1 and pre[0].device.type == "xla":
+        return list(_rng._mix(torch.stack(pre)).unbind(0))
+    return [_rng._mix(k) for k in pre]

@@ -95,7 +95,7 @@ def round_stochastic(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | None) -> None:
     if not units:
         return
-    noise = [_rng.bits(u.key, u.param.shape) for u in units]
+    noise = _rng.bits_list([u.key for u in units], [u.param.shape for u in units])
     if _plan.is_lazy(units[0].param.device):
         rounded = _xla_round(values, noise)
     else:

@@ -571,3 +571,26 @@ def test_xla_random_bits_match_cpu_without_a_constant_index(
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([x])
     assert not (n > 1024 and f"s32[{n}]{{0}} constant(" in hlo)
     assert torch.equal(x.cpu(), _rng.bits(key, (n,)))
+
+
+@pytest.mark.xla
+def test_xla_batched_draws_equal_one_draw_per_tensor(xla_device: torch.device) -> None:
+    """bits_list/uniform_list (one chain over a whole list on XLA) give each tensor the
+    bits that bits/uniform give it alone on the CPU; the state's per-leaf keys, mixed as
+    one stacked vector on XLA, equal the CPU's one by one."""
+    from mpfunc import _rng, _state_format
+
+    shapes = [(3,), (40, 6), (1025,), (2, 3, 5)]
+    cpu_keys = [torch.tensor(v, dtype=torch.int32) for v in (7, -1, 2**30, -(2**31))]
+    keys = [k.to(xla_device) for k in cpu_keys]
+    for got, k, s in zip(_rng.bits_list(keys, shapes), cpu_keys, shapes):
+        assert torch.equal(got.cpu(), _rng.bits(k, s)), s
+    for got, k, s in zip(_rng.uniform_list(keys, shapes), cpu_keys, shapes):
+        assert torch.equal(got.cpu(), _rng.uniform(k, s)), s
+    steps = [torch.tensor(float(v)) for v in (1, 2, 2**24 - 1)]
+    salts = [0, 12345, 2**40 + 3]
+    xla_keys = _state_format._keys([t.to(xla_device) for t in steps], salts)
+    for got, want in zip(xla_keys, _state_format._keys(steps, salts)):
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="one shape per key"):
+        _rng.bits_list(keys, shapes[:2])

@@ -41,12 +41,8 @@ MODES = tuple(
 )
 DEVICES = ("cpu", "xla", "cuda")
 # Modes every device runs; the others only where listed.
-# mpfunc-stochastic (8-bit state) is left off XLA: on XLA:CPU its step for this model
-# compiled in ~260 s, twice, and ran 11.5 s a step (NOTES.md); the tests cover it on small
-# trees, and this benchmark's job there is the report's comparison.
 ONLY_ON = {
     "syncfree": ("xla",),
-    "mpfunc-stochastic": ("cpu", "cuda"),
     **{m + FUSED: ("cpu", "cuda") for m in TORCH_OPTIM_MODES},
 }
 # Modes whose step time the others are divided by in the tables (where they ran).
