@@ -144,7 +144,7 @@ def test_output_goes_outside_the_repository_unless_out_says() -> None:
 def test_modes_per_device() -> None:
     assert [m for m in MODES if runs_on(m, "xla")] == [
         "fp32", "bf16", "flat", "pertensor", "mpfunc", "mpfunc-remainder", "mpfunc-kahan",
-        "autocast", "syncfree"
+        "mpfunc-stochastic", "autocast", "syncfree"
     ]  # fmt: skip
     cpu = [m for m in MODES if runs_on(m, "cpu")]
     assert "syncfree" not in cpu and cpu.index("fp32-fused") == cpu.index("fp32") + 1
