@@ -28,6 +28,8 @@ _GOLDEN = -1640531535  # 0x9E3779B1 as int32
 _M1 = -2048144789  # 0x85EBCA6B
 _M2 = -1028477387  # 0xC2B2AE35
 
+Shape = torch.Size | tuple[int, ...]
+
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int32 values (torch's ``>>`` is arithmetic)."""
@@ -88,26 +90,25 @@ def _index(n: int, device: torch.device) -> torch.Tensor:
     return torch.add(row, col).view(-1)[:n]
 
 
-def bits(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """32 random bits per element (int32) of a tensor of ``shape``, on ``key``'s device."""
-    n = 1
-    for s in shape:
-        n *= s
-    i = _index(n, key.device).reshape(shape)
-    x = _mix(i.mul(_GOLDEN).add_(key))
+def _hash(index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The bits of elements ``index`` under ``key`` (broadcast against it):
+    ``mix(mix(i * golden + k) ^ k)``, as the module docstring defines them."""
+    x = _mix(index.mul(_GOLDEN).add_(key))
     return _mix(x.bitwise_xor_(key))
 
 
-def uniform(key: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def bits(key: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """32 random bits per element (int32) of a tensor of ``shape``, on ``key``'s device."""
+    return _hash(_index(math.prod(shape), key.device).reshape(shape), key)
+
+
+def uniform(key: torch.Tensor, shape: Shape) -> torch.Tensor:
     """Draws in [0, 1) with 24 random bits each, float32, of ``shape``."""
     return _to_uniform(bits(key, shape))
 
 
 def _to_uniform(b: torch.Tensor) -> torch.Tensor:
     return _shr(b, 8).to(torch.float32).mul_(2.0**-24)
-
-
-Shape = torch.Size | tuple[int, ...]
 
 
 def _batched(keys: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> bool:
@@ -121,9 +122,7 @@ def _bits_flat(keys: Sequence[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     own leaf index ``j`` and key ``m``, as ``bits`` does."""
     device = keys[0].device
     i = torch.cat([_index(n, device) for n in sizes])
-    k = torch.cat([key.reshape(1).expand(n) for key, n in zip(keys, sizes)])
-    x = _mix(i.mul_(_GOLDEN).add_(k))
-    return _mix(x.bitwise_xor_(k))
+    return _hash(i, torch.cat([key.reshape(1).expand(n) for key, n in zip(keys, sizes)]))
 
 
 def _split(flat: torch.Tensor, sizes: list[int], shapes: Sequence[Shape]) -> list[torch.Tensor]:
