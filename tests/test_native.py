@@ -219,6 +219,18 @@ def test_bit_identical_to_three_call_path(
     check_against_reference(c, steps=n_steps)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16, 17, 31, 33, 100])
+def test_signed_zero_moments_at_beta1_zero(native: Any, n: int) -> None:
+    """beta1 = 0 with -0 grads: the new first moment is a zero whose sign depends on the
+    lerp form torch used for that element (scalar tail, its 8-wide vectorized copy, or
+    the 16-wide loop). Found by hypothesis on fp16 grads that underflowed to -0."""
+    c = make_case([(n,)], grad_dtype=torch.float32, out_dtype=None, seed=n, lr=1e-4,
+                  beta1=0.0, beta2=0.0, weight_decay=0.0, decoupled=False)  # fmt: skip
+    c.grads[0].fill_(-0.0)
+    c.exp_avg[0].copy_(-c.exp_avg[0].abs() - 1e-3)
+    check_against_reference(c)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_tensors_across_chunks_and_threads(native: Any, threads: int) -> None:
     """Leaves split into several work items (CHUNK elements each) on several threads."""

@@ -21,7 +21,7 @@
 //     torch runs its vector loop over the first n - n % W elements of a tensor in memory
 //     order (W = 16 for AVX512, 8 otherwise) and its scalar loop over the rest, which
 //     its AVX512 build vectorizes 8 wide down to the last n % 8 (with the vector loop's
-//     exp_avg_sq rounding and the scalar loop's lerp form); so do we.
+//     exp_avg_sq rounding, and its lerp's sign of zero at beta1 == 0); so do we.
 //     Found by testing torch 2.9's kernels against each candidate, bit for bit.
 //   * the vector loop uses ATen's own Vectorized types, so the float <-> bfloat16/float16
 //     conversions are the code Tensor.to runs; the scalar tail's conversions are written
@@ -181,8 +181,8 @@ MPF_INLINE float tail_fma(float a, float b, float c) {
 }
 
 // One element in the form of torch's scalar loop, which it runs on a tensor's last
-// numel % 8 elements. kVectorV: the exp_avg_sq rounding of the vector loop and x86's
-// max instead, as torch's AVX512 build gets where the compiler vectorized that scalar
+// numel % 8 elements. kVectorV: the exp_avg_sq rounding and lerp form of the vector loop
+// and x86's max instead, as torch's AVX512 build gets where the compiler vectorized that scalar
 // loop 8 wide (the elements between the 16-wide loop's end and the last numel % 8).
 template <class G, class O, bool kAmsgrad, bool kVectorV>
 MPF_INLINE void scalar_element(std::int64_t i, float* __restrict__ P,
@@ -198,9 +198,11 @@ MPF_INLINE void scalar_element(std::int64_t i, float* __restrict__ P,
   p = p * h.decay;
   float m = M[i];
   // torch's scalar lerp: m + w * (g - m), or g - (g - m) * (1 - w). The second equals
-  // the vector form g + (w - 1) * (g - m) except in the sign of a zero when w == 1.
+  // the vector form g + (w - 1) * (g - m) except in the sign of a zero when w == 1, and
+  // the loop's 8-wide vectorized copy (kVectorV) gets the vector form's zero.
   const float d = g - m;
-  m = h.lerp_small ? tail_fma(h.w, d, m) : tail_fma(-d, h.one_m_w, g);
+  m = h.lerp_small ? tail_fma(h.w, d, m)
+                   : (kVectorV ? tail_fma(h.coeff, d, g) : tail_fma(-d, h.one_m_w, g));
   const float v_old = V[i];
   const float v = kVectorV ? tail_fma(h.one_m_b2 * g, g, v_old * h.beta2)
                            : tail_fma(v_old, h.beta2, (h.one_m_b2 * g) * g);
