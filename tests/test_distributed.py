@@ -137,3 +137,35 @@ def test_only_a_teardown_abort_after_the_final_barrier_counts_as_finished(
     (tmp_path / "done-save-rank1").touch()
     assert finished(rank(-6, "warning\n" + TEARDOWN_ABORT + "\n"))
     assert not finished(rank(1, "Traceback ...\nRuntimeError: boom"))
+
+
+def test_a_rank_past_the_limit_is_killed_and_its_stack_reported(tmp_path: pathlib.Path) -> None:
+    """launch never leaves a process or a pipe behind, and a hang's report says where each
+    rank waited (faulthandler's stacks) and which ranks finished."""
+    import subprocess
+    import textwrap
+
+    from support.ranks import launch
+
+    worker = tmp_path / "sleepy.py"
+    worker.write_text(
+        textwrap.dedent("""
+        import faulthandler, pathlib, signal, sys, time
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        name, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[4]
+        def wait_for_a_peer_forever():
+            time.sleep(600)
+        if rank == 1:
+            wait_for_a_peer_forever()
+        pathlib.Path(out, f"done-{name}-rank{rank}").touch()
+    """)
+    )
+    before = subprocess.run(["pgrep", "-f", str(worker)], capture_output=True, text=True)
+    with pytest.raises(AssertionError) as err:
+        launch("nap", 2, tmp_path, timeout=5, worker=worker)
+    msg = str(err.value)
+    assert "nap on 2 ranks passed its 5 s limit" in msg
+    assert "done markers: ['done-nap-rank0']" in msg
+    assert "rank 1 (exit -9, hung)" in msg and "wait_for_a_peer_forever" in msg
+    after = subprocess.run(["pgrep", "-f", str(worker)], capture_output=True, text=True)
+    assert before.stdout == after.stdout == ""

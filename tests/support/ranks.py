@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 WORKER = pathlib.Path(__file__).resolve().parent.parent / "workers" / "dp_worker.py"
 
@@ -25,25 +27,55 @@ def launch(
     if store.exists():
         store.unlink()
     full_env = dict(os.environ, MPFUNC_STORE=str(store), OMP_NUM_THREADS="1", **env)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), scenario, str(r), str(world), str(out)],
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    # Each rank writes its output to files, never to a pipe that nobody reads while the
+    # parent waits (a full pipe would block the rank and look like a hang).
+    logs = [
+        (out / f"{scenario}-rank{r}.stdout", out / f"{scenario}-rank{r}.stderr")
         for r in range(world)
     ]
-    results = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs = []
+    for r, (o, e) in enumerate(logs):
+        with o.open("w") as stdout, e.open("w") as stderr:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(worker), scenario, str(r), str(world), str(out)],
+                    env=full_env,
+                    stdout=stdout,
+                    stderr=stderr,
+                )
+            )
+    deadline = time.monotonic() + timeout
+    hung = []
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(p)
+    # A rank still running past the deadline prints its Python stacks (the worker registers
+    # faulthandler on SIGUSR1), then is killed, so that the failure says where it waited.
+    for p in hung:
+        p.send_signal(signal.SIGUSR1)
+    if hung:
+        time.sleep(2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    results = [
+        subprocess.CompletedProcess(p.args, p.returncode, o.read_text(), e.read_text())
+        for p, (o, e) in zip(procs, logs)
+    ]
+    if hung:
+        done = sorted(x.name for x in out.glob(f"done-{scenario}-rank*"))
+        report = "\n".join(
+            f"--- rank {r} (exit {res.returncode}{', hung' if procs[r] in hung else ''}):\n"
+            f"{res.stderr[-4000:]}"
+            for r, res in enumerate(results)
+        )
+        raise AssertionError(
+            f"{scenario} on {world} ranks passed its {timeout:.0f} s limit; "
+            f"done markers: {done}\n{report}"
+        )
     return results
 
 

@@ -8,8 +8,10 @@ dead peer surfaces as an error, never a hang.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pathlib
+import signal
 import sys
 from typing import Any
 
@@ -451,8 +453,9 @@ SCENARIOS = {
 
 def main(scenarios: dict[str, Any] = SCENARIOS) -> None:
     """Joins the group through the file store, runs the scenario named on the command
-    line (of ``scenarios``: other workers pass theirs), leaves the group."""
+    line (of ``scenarios``: other workers pass theirs), and leaves once every rank has."""
     name, rank, world, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # launch's stacks on a timeout
     store = os.environ.get("MPFUNC_STORE", f"{out}/store")
     dist.init_process_group(
         "gloo",
@@ -466,13 +469,13 @@ def main(scenarios: dict[str, Any] = SCENARIOS) -> None:
     finally:
         if name != "dead":
             dist.barrier()
-    # Every rank finished its scenario (the barrier above): say so before the teardown,
-    # which is torch's, not ours. gloo's worker threads can abort the process while the
-    # interpreter finalizes ("terminate called without an active exception", seen once in a
-    # CI run on a loaded 2-core machine; pytorch#190489, pytorch#179291), so
-    # the process leaves with os._exit once the group is destroyed and its output flushed.
+    # Every rank finished its scenario (the barrier above): say so, then leave at once.
+    # The group is not destroyed: torch's gloo teardown aborted a rank once in a CI run on
+    # a loaded 2-core machine ("terminate called without an active exception",
+    # pytorch#190489, pytorch#179291), and a later CI run had a rank that never returned
+    # (where, unknown: launch now prints a hung rank's stacks). os._exit runs no
+    # destructor, and the peers, already past the barrier, use no connection again.
     pathlib.Path(out, f"done-{name}-rank{rank}").touch()
-    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
