@@ -1,6 +1,6 @@
 """The seed benchmark runs end to end at smoke size and writes sane outputs.
 
-One ``python -m bench.seed --smoke`` run on cpu and xla (about 30 s on 2 idle cores),
+One ``python -m bench.seed --smoke`` run on cpu and xla (about 70 s on 2 idle cores),
 shared by the tests below; plus checks of the target logic on a made-up result and of
 where output goes by default.
 """
@@ -30,7 +30,9 @@ XLA = importlib.util.find_spec("torch_xla") is not None or bool(
 DEVICES = ["cpu", "xla"] if XLA else ["cpu"]
 
 
-@pytest.fixture(scope="module")
+# Session scope: conftest runs the [xla] items after the CPU half, and a module-scoped
+# fixture would then run the benchmark twice.
+@pytest.fixture(scope="session")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("seed")
     env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}

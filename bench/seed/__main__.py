@@ -272,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing and not auto:
         raise SystemExit(f"seed: requested device(s) not available: {', '.join(missing)}")
 
-    if args.preset == "smoke" and "XLA_FLAGS" not in os.environ:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.preset == "smoke" and "--xla_backend_optimization_level" not in flags:
         # The smoke run checks that everything runs, not speed: compile XLA graphs unoptimized
-        # (about 3x faster to compile on 2 cores). The workers inherit it.
-        os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+        # (about 3x faster to compile on 2 cores). The workers inherit it. Appended, not set:
+        # importing torch_xla (as a test process has) puts its own defaults in XLA_FLAGS.
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     params, tensors = count(cfg)
