@@ -11,7 +11,7 @@ master rebuilt bit for bit::
 the master rounded to nearest with ties *away from zero* (IEEE roundTiesToAway),
 computed on the magnitude bits; ``join`` undoes it: the rounding went up exactly
 when the remainder's top bit is set. Two rules cover the fp32 NaNs (below). Every
-one of the 2^32 patterns round-trips (``bench/remainder_exhaustive.py`` checks all
+one of the 2^32 patterns round-trips (``python -m bench.remainder`` checks all
 of them), so ``split`` is a bijection and ``join`` accepts any pair.
 
 **Where the param is not ``master.to(torch.bfloat16)``.** Only here:
