@@ -405,15 +405,56 @@ def adam_kernel(group: Group, h: Any) -> None:
     Honours the kernel contract: grads in fp32 or low precision are divided by
     ``group.scale`` when it is set; ``group.skip`` (the kernel's ``found_inf``) leaves
     every tensor and step count bit-identical; ``group.model``, when set, receives the
-    rounded masters. ``_plan`` picks it only for CPU groups with fp32 masters and state,
-    one grad dtype and one model dtype, every tensor of a leaf sharing one dense layout.
+    rounded masters. ``_plan`` picks it for CPU groups of one master strategy and one
+    state format (``composed_format``), one grad dtype and one model dtype, every tensor
+    of a leaf sharing one dense layout (contiguous where draws or 8-bit blocks follow
+    the element index).
     """
     s = group.state
+    if group.params and not _plain(group.params[0], s.exp_avg[0]):
+        _composed(group, h)
+        return
     adam_mixed_(
         group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step,
         group.model, lr=group.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
         weight_decay=h.weight_decay, decoupled=h.decoupled, amsgrad=h.amsgrad,
         maximize=h.maximize, grad_scale=group.scale, found_inf=group.skip,
+    )  # fmt: skip
+
+
+def _plain(master: Any, moment: Any) -> bool:
+    return isinstance(master, torch.Tensor) and getattr(moment, "dtype", None) == torch.float32
+
+
+# The native codes of the master strategies and state formats (csrc: composed::Strategy,
+# composed::Format). A strategy or format missing here takes torch's kernels.
+STRATEGY_CODES = {"fp32": 0, "remainder": 1, "kahan": 2, "stochastic": 3, "none": 4}
+FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+
+
+def _composed(group: Group, h: Any) -> None:
+    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
+    from mpfunc import _strategy  # (_strategy imports the planner, which imports us)
+
+    s = group.state
+    first = group.params[0]
+    kind = _strategy.by_unit(first)
+    strategy = STRATEGY_CODES["fp32" if kind is None else kind.name]
+    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
+    quantized = not isinstance(moments[0][0], torch.Tensor)
+    fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype]
+    prims = group.params if kind is None else [u.param for u in group.params]
+    auxs = [u[1] for u in group.params] if kind is not None and len(first) > 1 else []
+    data = [[q.codes for q in f] for f in moments] if quantized else moments
+    scales = [[q.scale for q in f] for f in moments] if quantized else []
+    lr = group.lr
+    load().step_composed_(
+        strategy, fmt, prims, auxs, group.grads, data, scales, s.step, group.model or [],
+        list(group.salts or []) if quantized else [],
+        0.0 if isinstance(lr, torch.Tensor) else float(lr),
+        lr if isinstance(lr, torch.Tensor) else None, float(h.beta1), float(h.beta2),
+        float(h.eps), float(h.weight_decay), bool(h.decoupled), bool(h.amsgrad),
+        bool(h.maximize), group.scale, group.skip,
     )  # fmt: skip
 
 

@@ -106,6 +106,9 @@ class Group(NamedTuple):
     # and write masters only; _plan does the rest around them.
     model: list[torch.Tensor] | None = None
     scale: torch.Tensor | None = None
+    # Each leaf's place in the whole tree (the salt of its 8-bit state's draws), for the
+    # kernels that store the state themselves ("native").
+    salts: list[int] | None = None
 
 
 # Every kernel has this signature: (group, hyperparameters) -> None, writing in place.

@@ -50,6 +50,7 @@ from mpfunc import (
 )
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._compile import compiling
+from mpfunc._state_format import QState
 from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 
 __all__ = [
@@ -254,6 +255,57 @@ def _native_fits(
     if g.stride() != stride or (param is not None and param.stride() != stride):
         return False
     return m.is_contiguous() or _dense(m)
+
+
+_PARAM_DTYPES = {
+    "remainder": (torch.bfloat16,),
+    "stochastic": (torch.bfloat16,),
+    "kahan": (torch.bfloat16, torch.float16),
+    "none": (torch.bfloat16, torch.float16),
+}
+
+
+def _composed_fits(
+    rule: Rule, s: Any, m: Any, g: torch.Tensor, stored: list[Any], param: torch.Tensor | None
+) -> int | None:
+    """The native state-format code (``_native.FORMAT_CODES``) if the rule's ``native``
+    kernel can take this leaf of a master strategy other than plain fp32-with-fp32-state,
+    else ``None``: on the CPU, a strategy and param dtype it knows, moments all fp32, all
+    bf16 or all 8-bit, a grad and model param of its dtypes; the leaf's tensors dense with
+    one stride, and contiguous where draws (``"stochastic"``) or 8-bit blocks follow the
+    element index."""
+    if "native" not in rule.kernels or not stored:
+        return None
+    f = m if s is None else m.param
+    if not isinstance(f, torch.Tensor) or not f.is_cpu or g.dtype not in _NATIVE_IO:
+        return None
+    if s is None:
+        if f.dtype != torch.float32:
+            return None
+        aux = None
+    else:
+        if param is not None or f.dtype not in _PARAM_DTYPES.get(s.name, ()):
+            return None
+        aux = m[1] if len(m) > 1 and s.name != "stochastic" else None
+    if param is not None and param.dtype not in _NATIVE_IO:
+        return None
+    first = stored[0]
+    if isinstance(first, QState):
+        fmt = 2
+        if not all(isinstance(x, QState) for x in stored):
+            return None
+    elif isinstance(first, torch.Tensor) and first.dtype in (torch.float32, torch.bfloat16):
+        fmt = 0 if first.dtype == torch.float32 else 1
+        if not all(isinstance(x, torch.Tensor) and x.dtype == first.dtype for x in stored):
+            return None
+    else:
+        return None
+    if s is None and fmt == 0:
+        return None  # the fp32 kernel's own case (_native_fits)
+    tensors = [f, g, aux, param, *(x for x in stored if isinstance(x, torch.Tensor))]
+    if fmt == 2 or (s is not None and s.name == "stochastic"):
+        return fmt if all(t is None or t.is_contiguous() for t in tensors) else None
+    return fmt if _same_layout(tensors) else None
 
 
 # --- elementwise optimizers ---------------------------------------------------------------
@@ -582,6 +634,7 @@ def _plan_elementwise(
                 state_type(**{n: sliced.get(n) for n in state_type._fields}), lr_d, skip_d,
                 model=None if key[4] is None or model is None else pick(model, idx),
                 scale=None if step.scale is None else _scale_on(step.scale, device, cache),
+                salts=idx,
             )  # fmt: skip
             work.append(Work(rule.kernels[kernel_name], group, hyper))
             continue
@@ -676,6 +729,15 @@ def _decide(
                 "Use impl='auto' or 'foreach'."
             )
         param = None if model is None else model[i]
+        if impl == "auto" and not traced and step.stats is None:
+            fmt = _composed_fits(rule, s, m, g, stored, param)
+            if fmt is not None and _native.available():
+                # One strategy, state format, grad dtype and model dtype per call.
+                keys.append((
+                    f.device, compute, "native", g.dtype, None if param is None else param.dtype,
+                    "fp32" if s is None else s.name, fmt,
+                ))  # fmt: skip
+                continue
         if (
             impl == "auto"
             and plain
@@ -694,14 +756,19 @@ def _decide(
         # A unit's values are loaded into temporaries: dense in the param's layout where
         # the param is dense, contiguous where it is not (empty_like's preserve_format).
         lay = f if plain or _dense(f) else torch.empty(f.shape, device="meta")
-        tensors = [t for t in (lay, g if g.dtype == compute else None, *stored) if t is not None]
+        # 8-bit moments load as contiguous fp32 temporaries: their codes' layout stands in.
+        tensors = [
+            t.codes if isinstance(t, QState) else t
+            for t in (lay, g if g.dtype == compute else None, *stored)
+            if t is not None
+        ]
         chosen = "foreach" if impl == "auto" else impl
         if (
             impl in ("auto", "fused")
             and has_fused
             and not traced
             and fused_supported(f.device, compute)
-            and all(isinstance(x, torch.Tensor) for x in stored)
+            and all(isinstance(x, (torch.Tensor, QState)) for x in stored)
             and _same_layout(tensors)
         ):
             chosen = "fused"

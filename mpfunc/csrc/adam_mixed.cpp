@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -807,6 +808,640 @@ void adam_mixed_(const std::vector<at::Tensor>& masters, const std::vector<at::T
   }
 }
 
+// ---- the composed step: every master strategy with every state format ----------------------
+//
+// A step over masters kept by a strategy ("remainder", "kahan", "stochastic", "none" or
+// plain fp32) with moments kept in a state format (fp32, bf16 or 8-bit blocks) is the
+// fp32 step above run on fp32 tiles: per tile of kTile elements, the strategy's load
+// and the format's decode fill cache-resident fp32 scratch (or lend the stored fp32
+// tensors themselves), run_range computes torch's fused Adam on it, and the format's
+// encode and the strategy's store write it back. Memory is read and written once per
+// step, as in the fp32 kernel; the scratch never leaves the core's cache. Each piece is
+// written once, and pieces compose at run time per tile (a switch per 1024 elements),
+// so a new strategy or format is one load and one store here, not a kernel per pair.
+//
+// Bits: every piece computes what its torch twin computes (mpfunc/_strategy_*.py,
+// _remainder.py, _quantize.py, _rng.py) with the same IEEE operations in the same order,
+// so the result equals the torch path (load, torch's fused kernel, store) bit for bit,
+// NaN payloads aside.
+
+namespace composed {
+
+enum Strategy : std::int64_t { kFP32 = 0, kRemainder = 1, kKahan = 2, kStochastic = 3, kNone = 4 };
+enum Format : std::int64_t { kF32 = 0, kBF16 = 1, kU8 = 2 };
+
+// A multiple of the 8-bit format's 32-element block and of 64 (work items start at
+// multiples of g_chunk, itself a multiple of 64), so tiles never split a block.
+constexpr std::int64_t kTile = 1024;
+constexpr std::int64_t kQBlock = 32;
+constexpr float kTiny = 0x1.0p-126f;  // fp32's smallest normal
+
+// ---- _rng: MurmurHash3's finalizer as a counter-based generator ----------------------------
+constexpr u32 kGolden = 0x9E3779B1u;
+
+MPF_INLINE u32 fmix(u32 x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+// 32 random bits of element i (row-major) under key: mix(mix(i * golden + key) ^ key).
+MPF_INLINE u32 draw(u32 key, u32 i) { return fmix(fmix(i * kGolden + key) ^ key); }
+// A draw in [0, 1) with 24 random bits.
+MPF_INLINE float uniform(u32 bits) { return float(bits >> 8) * 0x1.0p-24f; }
+
+// ---- _remainder: the fp32 master as its bf16 param (ties away) and its low 16 bits ---------
+constexpr u32 kGTrunc = 0xFF02;
+constexpr u32 kGZero = 0xFF01;
+constexpr u32 kInfHigh = 0x7F80;
+
+MPF_INLINE float join(u16 p, u16 r) {
+  const u32 mag = p & 0x7FFFu;
+  const u32 low = r;
+  // The rounding went up exactly when the remainder's top bit is set (not for NaNs).
+  std::int32_t high = std::int32_t(mag) - (mag <= kInfHigh ? std::int32_t(low >> 15) : 0);
+  if (high < 0) high = kInfHigh;  // a zero param with the top bit set: low-payload NaNs
+  return float_of((u32(high) << 16) | low | (u32(p & 0x8000u) << 16));
+}
+
+MPF_INLINE void split(float x, u16& p, u16& r) {
+  const u32 b = bits_of(x);
+  const u32 g = (b & 0x7FFFFFFFu) >> 15;
+  const u32 up = g < kGTrunc ? (g & 1u) : 0u;
+  const u32 mag = g == kGZero ? 0u : (g >> 1) + up;
+  p = u16(mag | ((b >> 16) & 0x8000u));
+  r = u16(b & 0xFFFFu);
+}
+
+// ---- _quantize: 32-element blocks, bf16 absmax scales, companded codes ----------------------
+struct Tables {
+  float s[256];  // code + 128 -> value (index 0: NaN)
+  float u[256];  // code -> value (255: NaN)
+  Tables() {
+    s[0] = std::numeric_limits<float>::quiet_NaN();
+    for (int k = -127; k <= 127; ++k) {
+      const double t = double(k) / 127;
+      s[k + 128] = float(t / (2 - std::fabs(t)));
+    }
+    for (int k = 0; k <= 254; ++k) {
+      const double t = double(k) / 254;
+      u[k] = float(t / (2 - t));
+    }
+    u[255] = std::numeric_limits<float>::quiet_NaN();
+  }
+};
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+MPF_INLINE float flush(float x) { return std::fabs(x) < kTiny ? 0.0f : x; }
+
+// out[j] = T[idx[j]] for one block (the compiler does not vectorize table reads itself).
+MPF_INLINE void gather_block(const float* T, const std::int32_t* idx, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  for (int j = 0; j < kQBlock; j += 16) {
+    const __m512i i = _mm512_loadu_si512(idx + j);
+    _mm512_storeu_ps(out + j, _mm512_i32gather_ps(i, T, 4));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (int j = 0; j < kQBlock; j += 8) {
+    const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + j));
+    _mm256_storeu_ps(out + j, _mm256_i32gather_ps(T, i, 4));
+  }
+#else
+  for (int j = 0; j < kQBlock; ++j) out[j] = T[idx[j]];
+#endif
+}
+
+// Per element of a tile, its block's scale: ex[i] = per_block[i / kQBlock].
+MPF_INLINE void expand(const float* __restrict__ per_block, std::int64_t blocks,
+                       float* __restrict__ ex) {
+  for (std::int64_t k = 0; k < blocks; ++k) {
+    const float s = per_block[k];
+    for (int j = 0; j < kQBlock; ++j) ex[k * kQBlock + j] = s;
+  }
+}
+
+// The 8-bit format works on a whole tile in phases (flags and magnitudes, block scales,
+// codes), each a loop over all of the tile's elements that the compiler vectorizes:
+// block by block, each block's chain of dependent operations (max, scale, divisions,
+// table reads) would leave the core waiting on latency.
+
+// fp32 values of elements [b, e) (b block-aligned, e - b <= kTile) from codes and scales.
+template <bool kSigned>
+void decode(const void* codes, const u16* scales, std::int64_t b, std::int64_t e, float* out) {
+  const float* __restrict__ T = kSigned ? tables().s : tables().u;
+  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock;
+  alignas(64) std::int32_t idx[kTile];
+  alignas(64) float sc[kTile / kQBlock], ex[kTile], val[kTile];
+  if constexpr (kSigned) {
+    const auto* c = static_cast<const std::int8_t*>(codes) + b;
+    for (std::int64_t i = 0; i < n; ++i) idx[i] = std::int32_t(c[i]) + 128;
+  } else {
+    const auto* c = static_cast<const std::uint8_t*>(codes) + b;
+    for (std::int64_t i = 0; i < n; ++i) idx[i] = std::int32_t(c[i]);
+  }
+  for (std::int64_t i = n; i < blocks * kQBlock; ++i) idx[i] = kSigned ? 128 : 0;
+  for (std::int64_t k = 0; k < blocks; ++k) sc[k] = BF16::load(scales[b / kQBlock + k]);
+  expand(sc, blocks, ex);
+  for (std::int64_t k = 0; k < blocks; ++k) gather_block(T, idx + k * kQBlock, val + k * kQBlock);
+  for (std::int64_t i = 0; i < n; ++i) {
+    float y = val[i] * ex[i];
+    if (!kSigned) y = y * y;
+    out[i] = std::fabs(y) < kTiny ? 0.0f : y;
+  }
+}
+
+// Codes and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32 values;
+// with kNoise (unsigned moments), rounded stochastically with the draws of (key, element
+// index). _quantize._encode's operations, each element's in its order.
+template <bool kSigned, bool kNoise>
+void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* scales, u32 key) {
+  const float* __restrict__ T = kSigned ? tables().s : tables().u;
+  constexpr float kLevels = kSigned ? 127.0f : 254.0f;
+  constexpr float kLow = kSigned ? -127.0f : 0.0f;
+  constexpr std::int32_t kOff = kSigned ? 128 : 0;
+  constexpr std::int32_t kNaNCode = kSigned ? -128 : 255;
+  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
+  alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
+  alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
+  // Phase 1: which elements are coded, and the magnitudes the scale covers (padding: 0).
+  for (std::int64_t i = 0; i < padded; ++i) {
+    const float x = i < n ? in[i] : 0.0f;
+    // finite: x - x is 0 for finite x, NaN for inf and NaN.
+    const bool okj = (x - x) == 0.0f && (kSigned || x > -kTiny);
+    const bool keepj = okj && std::fabs(x) >= kTiny;
+    float vj = keepj ? x : 0.0f;
+    if (!kSigned) vj = std::sqrt(vj);
+    v[i] = vj;
+    ok[i] = okj;
+    keep[i] = keepj;
+  }
+  // Phase 2: per block, the largest magnitude as a bf16 scale; the divisor.
+  for (std::int64_t k = 0; k < blocks; ++k) {
+    fVec m = fVec::loadu(v + k * kQBlock).abs();
+    for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
+    const float amax = at::vec::vec_reduce_all<float>(
+        [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
+    const u16 scale = BF16::store(amax);
+    scales[b / kQBlock + k] = scale;
+    const float sf = BF16::load(scale);
+    // An all-zero block has scale 0; dividing by 1 instead keeps its codes 0.
+    dd[k] = sf > 0.0f ? sf : 1.0f;
+  }
+  expand(dd, blocks, ex);
+  // Phase 3: the companded value and its code.
+  if constexpr (!kNoise) {
+    for (std::int64_t i = 0; i < padded; ++i) {
+      const float q = v[i] / ex[i];
+      const float yj = std::fabs(q) < kTiny ? 0.0f : q;
+      const float t = (yj + yj) / (std::fabs(yj) + 1.0f);
+      const float r = std::nearbyint(t * kLevels);
+      code[i] = std::int32_t(std::min(std::max(r, kLow), kLevels));
+    }
+  } else {
+    alignas(64) float u[kTile], lo_v[kTile], hi_v[kTile];
+    const fVec tiny(kTiny), one(1.0f), zero(0.0f);
+    // (the compiler leaves this loop scalar; written with ATen's vectors instead)
+    for (std::int64_t i = 0; i < padded; i += kW) {
+      const fVec q = fVec::loadu(v + i) / fVec::loadu(ex + i);
+      const fVec yj = fVec::blendv(q, zero, q.abs() < tiny);
+      const fVec t = (yj + yj) / (yj.abs() + one);
+      // floor(t * levels) clamped to [low, levels - 1] (clamping first is the same).
+      const fVec x = at::vec::minimum(at::vec::maximum(t * fVec(kLevels), fVec(kLow)),
+                                      fVec(kLevels - 1.0f));
+      yj.store(y + i);
+      at::vec::convert_to_int_of_same_size(x.floor()).store(code + i);
+    }
+    for (std::int64_t i = 0; i < padded; ++i) code[i] += kOff;
+    for (std::int64_t k = 0; k < blocks; ++k) {
+      gather_block(T, code + k * kQBlock, lo_v + k * kQBlock);
+      gather_block(T + 1, code + k * kQBlock, hi_v + k * kQBlock);
+    }
+    const u32 base = u32(b);
+    for (std::int64_t i = 0; i < padded; ++i) u[i] = uniform(draw(key, base + u32(i)));
+    for (std::int64_t i = 0; i < padded; ++i) {
+      float a = lo_v[i], h = hi_v[i], value = y[i];
+      if (!kSigned) {
+        const float yy = value * value;
+        value = std::fabs(yy) < kTiny ? 0.0f : yy;
+        a = a * a;
+        h = h * h;
+      }
+      code[i] = code[i] - kOff + std::int32_t(u[i] < (value - a) / (h - a));
+    }
+  }
+  // Phase 4: a positive second moment never decodes to 0; non-finite values get the mark.
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int32_t c = code[i];
+    if (!kSigned) c = keep[i] && c < 1 ? 1 : c;
+    code[i] = ok[i] ? c : kNaNCode;
+  }
+  if constexpr (kSigned) {
+    auto* o = static_cast<std::int8_t*>(codes) + b;
+    for (std::int64_t i = 0; i < n; ++i) o[i] = std::int8_t(code[i]);
+  } else {
+    auto* o = static_cast<std::uint8_t*>(codes) + b;
+    for (std::int64_t i = 0; i < n; ++i) o[i] = std::uint8_t(code[i]);
+  }
+}
+
+// dst[0, n) <- float(src[0, n)) for a 16-bit type X, with ATen's vector conversions.
+template <class X>
+void widen(const u16* __restrict__ src, float* __restrict__ dst, std::int64_t n) {
+  std::int64_t i = 0;
+  fVec a, b;
+  for (; i + kBlock <= n; i += kBlock) {
+    load2<X, true>(src + i, kBlock, a, b);
+    store2<F32, true>(dst + i, kBlock, a, b);
+  }
+  if (i < n) {
+    load2<X, false>(src + i, n - i, a, b);
+    store2<F32, false>(dst + i, n - i, a, b);
+  }
+}
+
+// dst[0, n) <- src[0, n) rounded to X as Tensor.to rounds (the same vector code).
+template <class X>
+void narrow(const float* __restrict__ src, u16* __restrict__ dst, std::int64_t n) {
+  std::int64_t i = 0;
+  fVec a, b;
+  for (; i + kBlock <= n; i += kBlock) {
+    load2<F32, true>(src + i, kBlock, a, b);
+    store2<X, true>(dst + i, kBlock, a, b);
+  }
+  if (i < n) {
+    load2<F32, false>(src + i, n - i, a, b);
+    store2<X, false>(dst + i, n - i, a, b);
+  }
+}
+
+// One leaf of the composed step.
+struct CLeaf {
+  void* prim;        // the fp32 master, or the unit's param
+  void* aux;         // remainder (int16) or compensation (param dtype); else null
+  u32 key;           // "stochastic": the key this step draws with
+  bool half;         // the param is float16 (else bfloat16)
+  const void* grad;
+  void* out;         // "fp32" with params_out: the rounded param
+  void* data[3];     // exp_avg, exp_avg_sq, max_exp_avg_sq: fp32/bf16 tensor or codes
+  u16* scale[3];     // the 8-bit format's scales
+  u32 vkey;          // the 8-bit format's draw key of its squares at this step
+  std::int64_t numel;
+  LeafCoef coef;
+};
+
+// x = float(param) + float(compensation), as _strategy_kahan's load.
+template <class X>
+void load_kahan(const CLeaf& L, std::int64_t b, std::int64_t e, float* dst) {
+  const auto* P = static_cast<const u16*>(L.prim) + b;
+  const auto* C = static_cast<const u16*>(L.aux) + b;
+  const std::int64_t n = e - b;
+  std::int64_t i = 0;
+  fVec p0, p1, c0, c1;
+  for (; i + kBlock <= n; i += kBlock) {
+    load2<X, true>(P + i, kBlock, p0, p1);
+    load2<X, true>(C + i, kBlock, c0, c1);
+    store2<F32, true>(dst + i, kBlock, p0 + c0, p1 + c1);
+  }
+  for (; i < n; ++i) dst[i] = X::load(P[i]) + X::load(C[i]);
+}
+
+template <class X>
+void load_param(const CLeaf& L, std::int64_t b, std::int64_t e, float* dst) {
+  widen<X>(static_cast<const u16*>(L.prim) + b, dst, e - b);
+}
+
+// param = x rounded to nearest even; compensation = (x - param) rounded (exact in fp32).
+template <class X>
+void store_kahan(const CLeaf& L, std::int64_t b, std::int64_t e, const float* src) {
+  auto* P = static_cast<u16*>(L.prim) + b;
+  auto* C = static_cast<u16*>(L.aux) + b;
+  const std::int64_t n = e - b;
+  std::int64_t i = 0;
+  using T = typename VecOf<X>::T;
+  fVec x0, x1, r0, r1;
+  for (; i + kBlock <= n; i += kBlock) {
+    load2<F32, true>(src + i, kBlock, x0, x1);
+    const auto p = at::vec::convert_from_float<T>(x0, x1);
+    std::tie(r0, r1) = at::vec::convert_to_float<T>(p);
+    p.store(P + i);
+    store2<X, true>(C + i, kBlock, x0 - r0, x1 - r1);
+  }
+  for (; i < n; ++i) {
+    const float x = src[i];
+    const u16 p = X::store(x);
+    P[i] = p;
+    C[i] = X::store(x - X::load(p));
+  }
+}
+
+template <class X>
+void store_nearest(const CLeaf& L, std::int64_t b, std::int64_t e, const float* src) {
+  narrow<X>(src, static_cast<u16*>(L.prim) + b, e - b);
+}
+
+// The master's fp32 values of [b, e): the master itself for "fp32", else `scratch`.
+float* load_master(Strategy s, const CLeaf& L, std::int64_t b, std::int64_t e, float* scratch) {
+  switch (s) {
+    case kFP32:
+      return static_cast<float*>(L.prim) + b;
+    case kRemainder: {
+      const auto* P = static_cast<const u16*>(L.prim);
+      const auto* R = static_cast<const u16*>(L.aux);
+      for (std::int64_t i = b; i < e; ++i) scratch[i - b] = join(P[i], R[i]);
+      break;
+    }
+    case kKahan:
+      L.half ? load_kahan<F16>(L, b, e, scratch) : load_kahan<BF16>(L, b, e, scratch);
+      break;
+    case kStochastic:
+    case kNone:
+      L.half ? load_param<F16>(L, b, e, scratch) : load_param<BF16>(L, b, e, scratch);
+      break;
+  }
+  return scratch;
+}
+
+void store_master(Strategy s, const CLeaf& L, std::int64_t b, std::int64_t e, const float* x) {
+  switch (s) {
+    case kFP32:
+      return;
+    case kRemainder: {
+      auto* P = static_cast<u16*>(L.prim);
+      auto* R = static_cast<u16*>(L.aux);
+      for (std::int64_t i = b; i < e; ++i) split(x[i - b], P[i], R[i]);
+      return;
+    }
+    case kKahan:
+      L.half ? store_kahan<F16>(L, b, e, x) : store_kahan<BF16>(L, b, e, x);
+      return;
+    case kStochastic: {
+      // Add 16 random bits below the bf16 cut and truncate: up with probability
+      // (distance to the value below) / (gap). NaN rounds to nearest (stays NaN).
+      auto* P = static_cast<u16*>(L.prim);
+      for (std::int64_t i = b; i < e; ++i) {
+        const float v = x[i - b];
+        const u32 t = (bits_of(v) + (draw(L.key, u32(i)) & 0xFFFFu)) >> 16;
+        P[i] = v != v ? BF16::store(v) : u16(t);
+      }
+      return;
+    }
+    case kNone:
+      L.half ? store_nearest<F16>(L, b, e, x) : store_nearest<BF16>(L, b, e, x);
+      return;
+  }
+}
+
+// A moment's fp32 values of [b, e): the stored tensor itself for fp32, else `scratch`.
+float* load_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t b,
+                  std::int64_t e, float* scratch) {
+  switch (f) {
+    case kF32:
+      return static_cast<float*>(L.data[k]) + b;
+    case kBF16:
+      widen<BF16>(static_cast<const u16*>(L.data[k]) + b, scratch, e - b);
+      break;
+    case kU8:
+      is_signed ? decode<true>(L.data[k], L.scale[k], b, e, scratch)
+                : decode<false>(L.data[k], L.scale[k], b, e, scratch);
+      break;
+  }
+  return scratch;
+}
+
+void store_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t b,
+                 std::int64_t e, const float* x) {
+  switch (f) {
+    case kF32:
+      return;
+    case kBF16:
+      narrow<BF16>(x, static_cast<u16*>(L.data[k]) + b, e - b);
+      return;
+    case kU8:
+      if (is_signed) {
+        encode<true, false>(x, b, e, L.data[k], L.scale[k], 0);
+      } else {
+        encode<false, true>(x, b, e, L.data[k], L.scale[k], L.vkey);
+      }
+      return;
+  }
+}
+
+// Elements [begin, end) of one leaf, tile by tile.
+void run_item(Strategy s, Format f, bool amsgrad, RangeFn math, const CLeaf& L,
+              std::int64_t begin, std::int64_t end, const Hyper& h) {
+  alignas(64) float sp[kTile], sm[kTile], sv[kTile], svm[kTile];
+  for (std::int64_t b = begin; b < end; b += kTile) {
+    const std::int64_t e = std::min(end, b + kTile);
+    float* P = load_master(s, L, b, e, sp);
+    float* M = load_state(f, true, L, 0, b, e, sm);
+    float* V = load_state(f, false, L, 1, b, e, sv);
+    float* VM = amsgrad ? load_state(f, false, L, 2, b, e, svm) : nullptr;
+    // run_range indexes its streams by the element's place in the leaf (which decides
+    // torch's loop form): pointers based so that index b lands on each tile's start.
+    Leaf leaf;
+    leaf.master = P - b;
+    leaf.grad = L.grad;
+    leaf.exp_avg = M - b;
+    leaf.exp_avg_sq = V - b;
+    leaf.max_exp_avg_sq = VM ? VM - b : nullptr;
+    leaf.out = L.out;
+    leaf.numel = L.numel;
+    leaf.coef = L.coef;
+    math(leaf, b, e, h);
+    store_state(f, true, L, 0, b, e, M);
+    store_state(f, false, L, 1, b, e, V);
+    if (amsgrad) store_state(f, false, L, 2, b, e, VM);
+    store_master(s, L, b, e, P);
+  }
+}
+
+}  // namespace composed
+
+// The composed step's entry: lists aligned by leaf, as adam_mixed_ takes them, plus the
+// strategy's second tensor (`auxs`: remainder, compensation or 0-d int32 key), the moments'
+// scales for the 8-bit format, and each leaf's salt (its place in the tree) for the draws
+// of the 8-bit second moments. mpfunc's planner checked the tree; these checks keep a
+// wrong call from touching memory it does not own, and run before anything is written.
+void step_composed_(std::int64_t strategy, std::int64_t format,
+                    const std::vector<at::Tensor>& prims, const std::vector<at::Tensor>& auxs,
+                    const std::vector<at::Tensor>& grads,
+                    const std::vector<std::vector<at::Tensor>>& data,
+                    const std::vector<std::vector<at::Tensor>>& scales,
+                    const std::vector<at::Tensor>& steps,
+                    const std::vector<at::Tensor>& params_out,
+                    const std::vector<std::int64_t>& salts, double lr,
+                    const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                    double eps, double weight_decay, bool decoupled, bool amsgrad, bool maximize,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  using namespace composed;
+  constexpr const char* fn = "step_composed_";
+  TORCH_CHECK_VALUE(strategy >= kFP32 && strategy <= kNone, fn, ": unknown strategy ", strategy);
+  TORCH_CHECK_VALUE(format >= kF32 && format <= kU8, fn, ": unknown state format ", format);
+  const auto s = static_cast<Strategy>(strategy);
+  const auto f = static_cast<Format>(format);
+  const std::size_t n = prims.size();
+  const std::size_t fields = amsgrad ? 3 : 2;
+  const bool has_aux = s == kRemainder || s == kKahan || s == kStochastic;
+  const bool has_out = !params_out.empty();
+  TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && (!has_aux || auxs.size() == n) &&
+                        data.size() == fields && (f != kU8 || scales.size() == fields) &&
+                        (!has_out || (s == kFP32 && params_out.size() == n)) &&
+                        (f != kU8 || salts.size() == n),
+                    fn, ": expected lists of one length, one per leaf");
+  for (std::size_t k = 0; k < fields; ++k) {
+    TORCH_CHECK_VALUE(data[k].size() == n && (f != kU8 || scales[k].size() == n), fn,
+                      ": expected one state tensor per leaf");
+  }
+  check_scalar("lr", lr_tensor);
+  check_scalar("grad_scale", grad_scale);
+  check_scalar("found_inf", found_inf, /*or_bool=*/true);
+  const bool positional = s == kStochastic || f == kU8;  // draws and blocks follow the index
+  const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
+  std::optional<c10::ScalarType> out_dtype;
+  if (has_out && n) out_dtype = params_out[0].scalar_type();
+  const c10::ScalarType state_dtype = f == kF32    ? c10::ScalarType::Float
+                                      : f == kBF16 ? c10::ScalarType::BFloat16
+                                                   : c10::ScalarType::Byte;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = prims[i];
+    const auto pt = p.scalar_type();
+    const bool p_ok = s == kFP32 ? pt == c10::ScalarType::Float
+                      : (s == kKahan || s == kNone)
+                          ? (pt == c10::ScalarType::BFloat16 || pt == c10::ScalarType::Half)
+                          : pt == c10::ScalarType::BFloat16;
+    TORCH_CHECK_TYPE(p_ok && p.device().is_cpu() && p.layout() == c10::kStrided, fn, ": at [",
+                     i, "]: the master's tensor does not fit the strategy: ", describe(p));
+    const auto strides = p.strides();
+    TORCH_CHECK_VALUE(positional ? p.is_contiguous() : p.is_non_overlapping_and_dense(), fn,
+                      ": at [", i, "]: expected a ", positional ? "contiguous" : "dense",
+                      " master, got strides ", p.strides());
+    auto fits = [&](const char* what, const at::Tensor& t, std::optional<c10::ScalarType> dt,
+                    bool like) {
+      TORCH_CHECK_TYPE(t.device().is_cpu() && t.layout() == c10::kStrided &&
+                           (!dt || t.scalar_type() == *dt),
+                       fn, ": at [", i, "]: ", what, ": unexpected ", describe(t));
+      if (like) {
+        TORCH_CHECK_VALUE(t.sizes() == p.sizes() && t.strides() == strides, fn, ": at [", i,
+                          "]: ", what, ": expected the master's shape and strides");
+      }
+      TORCH_CHECK_VALUE(!(t.is_inference() && !c10::InferenceMode::is_enabled()), fn, ": at [",
+                        i, "]: ", what, ": an inference tensor outside torch.inference_mode()");
+    };
+    if (s == kRemainder) fits("remainder", auxs[i], c10::ScalarType::Short, true);
+    if (s == kKahan) fits("compensation", auxs[i], pt, true);
+    if (s == kStochastic) {
+      fits("key", auxs[i], c10::ScalarType::Int, false);
+      TORCH_CHECK_VALUE(auxs[i].numel() == 1, fn, ": at [", i, "]: expected a one-element key");
+    }
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK_TYPE(is_low_or_f32(g.scalar_type()) && g.scalar_type() == grad_dtype, fn,
+                     ": at [", i, "]: grads: expected one float dtype, got ", describe(g));
+    fits("grad", g, std::nullopt, true);
+    if (has_out) {
+      TORCH_CHECK_TYPE(params_out[i].scalar_type() == *out_dtype &&
+                           is_low_or_f32(*out_dtype),
+                       fn, ": at [", i, "]: params_out: unexpected ", describe(params_out[i]));
+      fits("params_out", params_out[i], std::nullopt, true);
+    }
+    for (std::size_t k = 0; k < fields; ++k) {
+      const at::Tensor& t = data[k][i];
+      const auto want = f == kU8 && k == 0 ? c10::ScalarType::Char : state_dtype;
+      fits("state", t, want, true);
+      if (f == kU8) {
+        const at::Tensor& sc = scales[k][i];
+        fits("scale", sc, c10::ScalarType::BFloat16, false);
+        TORCH_CHECK_VALUE(sc.is_contiguous() && sc.numel() == (p.numel() + kQBlock - 1) / kQBlock,
+                          fn, ": at [", i, "]: expected one scale per 32 elements");
+      }
+    }
+    TORCH_CHECK_VALUE(steps[i].scalar_type() == c10::ScalarType::Float &&
+                          steps[i].device().is_cpu() && steps[i].numel() == 1,
+                      fn, ": at [", i, "]: expected a one-element float32 step count");
+  }
+
+  if (found_inf && read_scalar(*found_inf) != 0.0f) return;
+
+  for (std::size_t i = 0; i < n; ++i) {
+    prims[i].unsafeGetTensorImpl()->bump_version();
+    if (has_aux) auxs[i].unsafeGetTensorImpl()->bump_version();
+    steps[i].unsafeGetTensorImpl()->bump_version();
+    if (has_out) params_out[i].unsafeGetTensorImpl()->bump_version();
+    for (std::size_t k = 0; k < fields; ++k) {
+      data[k][i].unsafeGetTensorImpl()->bump_version();
+      if (f == kU8) scales[k][i].unsafeGetTensorImpl()->bump_version();
+    }
+  }
+
+  const double lr_value = lr_tensor ? lr_tensor->item<double>() : lr;
+  Hyper hyper{};
+  hyper.beta2 = float(beta2);
+  hyper.one_m_b2 = float(1 - beta2);
+  hyper.eps = float(eps);
+  hyper.wd = float(weight_decay);
+  hyper.l2 = !decoupled && weight_decay != 0;
+  hyper.decay = (decoupled && weight_decay != 0) ? float(1 - lr_value * weight_decay) : 1.0f;
+  const float w = float(1 - beta1);
+  hyper.lerp_small = std::fabs(w) < 0.5f;
+  hyper.coeff = hyper.lerp_small ? w : w - 1.0f;
+  hyper.w = w;
+  hyper.one_m_w = 1.0f - w;
+  hyper.has_scale = grad_scale.has_value();
+  hyper.scale = grad_scale ? read_scalar(*grad_scale) : 1.0f;
+  hyper.negate = maximize ? 0x80000000u : 0u;
+
+  std::vector<CLeaf> leaves(n);
+  std::vector<std::int64_t> numels(n);
+  std::int64_t total = 0;
+  double last_step = -1;
+  LeafCoef last{};
+  for (std::size_t i = 0; i < n; ++i) {
+    float* step_ptr = steps[i].data_ptr<float>();
+    const float step = *step_ptr + 1.0f;
+    *step_ptr = step;
+    if (double(step) != last_step) {
+      const double bc1 = 1 - std::pow(beta1, double(step));
+      const double bc2 = 1 - std::pow(beta2, double(step));
+      last.neg_step_size = float(-(lr_value / bc1));
+      last.bc2_sqrt = float(std::sqrt(bc2));
+      last_step = double(step);
+    }
+    CLeaf& L = leaves[i];
+    L.prim = prims[i].data_ptr();
+    L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
+    L.key = s == kStochastic ? u32(*auxs[i].data_ptr<std::int32_t>()) : 0u;
+    L.half = prims[i].scalar_type() == c10::ScalarType::Half;
+    L.grad = grads[i].data_ptr();
+    L.out = has_out ? params_out[i].data_ptr() : nullptr;
+    for (std::size_t k = 0; k < 3; ++k) {
+      L.data[k] = k < fields ? data[k][i].data_ptr() : nullptr;
+      L.scale[k] = f == kU8 && k < fields ? static_cast<u16*>(scales[k][i].data_ptr()) : nullptr;
+    }
+    // _state_format._keys: the step count (truncated to int32) mixed with the leaf's salt.
+    L.vkey = f == kU8 ? fmix(u32(std::int32_t(step)) * kGolden + u32(salts[i])) : 0u;
+    L.numel = prims[i].numel();
+    L.coef = last;
+    total += numels[i] = L.numel;
+  }
+  hyper.stream_out = g_stream_out && total >= kStreamFrom;
+  const RangeFn math = pick(grad_dtype, has_out ? out_dtype : std::nullopt, amsgrad);
+  for_each_item(numels, total, [&](std::size_t i, std::int64_t b, std::int64_t e) {
+    run_item(s, f, amsgrad, math, leaves[i], b, e, hyper);
+  });
+  if (s == kStochastic) {
+    // _rng.advance: the next key, so the next step draws fresh bits.
+    for (std::size_t i = 0; i < n; ++i) {
+      auto* k = auxs[i].data_ptr<std::int32_t>();
+      *k = std::int32_t(fmix(u32(*k) + kGolden));
+    }
+  }
+}
+
 // ---- conversions on their own ---------------------------------------------------------
 
 template <class From, class To>
@@ -993,6 +1628,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // as torch's own ops do, so other Python threads run during the step.
   m.def("adam_mixed_", &mpfunc_native::adam_mixed_,
         "One-pass Adam/AdamW over fp32 masters with low-precision grads in and params out",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("step_composed_", &mpfunc_native::step_composed_,
+        "One-pass Adam/AdamW over any master strategy with fp32, bf16 or 8-bit moments",
         py::call_guard<py::gil_scoped_release>());
   m.def("convert_", &mpfunc_native::convert_, "dst <- src with the kernel's own rounding",
         py::call_guard<py::gil_scoped_release>());
