@@ -437,14 +437,15 @@ def _composed(group: Group, h: Any) -> None:
     from mpfunc import _strategy  # (_strategy imports the planner, which imports us)
 
     s = group.state
-    first = group.params[0]
+    first: Any = group.params[0]
     kind = _strategy.by_unit(first)
     strategy = STRATEGY_CODES["fp32" if kind is None else kind.name]
     moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
     quantized = not isinstance(moments[0][0], torch.Tensor)
     fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype]
-    prims = group.params if kind is None else [u.param for u in group.params]
-    auxs = [u[1] for u in group.params] if kind is not None and len(first) > 1 else []
+    units: list[Any] = list(group.params)
+    prims = units if kind is None else [u.param for u in units]
+    auxs = [u[1] for u in units] if kind is not None and len(first) > 1 else []
     data = [[q.codes for q in f] for f in moments] if quantized else moments
     scales = [[q.scale for q in f] for f in moments] if quantized else []
     lr = group.lr

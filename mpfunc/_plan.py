@@ -50,8 +50,8 @@ from mpfunc import (
 )
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._compile import compiling
-from mpfunc._state_format import QState
 from mpfunc._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
+from mpfunc._state_format import QState
 
 __all__ = [
     "FOREACH_CHUNK_NUMEL",

@@ -23,7 +23,7 @@ import torch
 from mpfunc import _checks, _quantize, _rng, _tree
 from mpfunc._quantize import QState
 
-__all__ = ["check_quantizable", "load", "problem", "store", "stored_dtype", "zeros"]
+__all__ = ["QState", "check_quantizable", "load", "problem", "store", "stored_dtype", "zeros"]
 
 _tree.register_unit(QState)
 

@@ -1,0 +1,191 @@
+"""The native composed step (every master strategy with every state format, one pass on
+the CPU) against its specification, the torch path: the strategy's load, torch's fused
+kernel on fp32 temporaries, the state format's and the strategy's stores.
+
+Drawn: strategies, state dtypes, amsgrad, Adam and AdamW, grad dtypes, fp16 params where
+the strategy takes them, layouts (the native pass takes dense leaves, and contiguous ones
+where draws or 8-bit blocks follow the element index; the rest stay on the torch path),
+NaN/inf/subnormal/huge values, skipped steps, loss scales, tensor lrs and several steps.
+Bits must agree (NaN payloads aside), and the native kernel must have run where it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpfunc
+from mpfunc import _native
+from mpfunc._optimizer import Group
+from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
+from tests.support.native import native_module
+
+STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
+STATE_DTYPES = [None, torch.bfloat16, torch.uint8]
+# (name, shape, make from a contiguous tensor): n % 16 and n % 8 tails included; every
+# shape holds at least one 8-bit block.
+LAYOUTS: list[tuple[str, tuple[int, ...]]] = [
+    ("contiguous", (37,)),
+    ("contiguous", (1000,)),
+    ("transposed", (9, 7)),
+    ("channels_last", (2, 3, 4, 3)),
+    ("sliced", (6, 8)),
+]
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 3e38, -0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def native() -> Any:
+    return native_module()
+
+
+@pytest.fixture
+def composed(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[int]]:
+    seen: list[int] = []
+    real = _native._composed
+
+    def spy(group: Group, h: Any) -> None:
+        seen.append(len(group.params))
+        real(group, h)
+
+    monkeypatch.setattr(_native, "_composed", spy)
+    yield seen
+
+
+def _laid(kind: str, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    if kind == "transposed":
+        return x.reshape(shape[1], shape[0]).t()
+    if kind == "channels_last":
+        return x.reshape(shape).contiguous(memory_format=torch.channels_last)
+    if kind == "sliced":
+        wide = torch.zeros(shape[0], shape[1] * 2, dtype=x.dtype)
+        wide[:, ::2] = x.reshape(shape)
+        return wide[:, ::2]
+    return x.reshape(shape)
+
+
+def _values(gen: torch.Generator, n: int, scale: float, specials: bool) -> torch.Tensor:
+    x = torch.randn(n, generator=gen) * scale
+    if specials:
+        idx = torch.randint(0, n, (len(SPECIALS),), generator=gen)
+        x[idx] = torch.tensor(SPECIALS)
+    return x
+
+
+def _case(data: st.DataObject) -> dict[str, Any]:
+    strategy = data.draw(st.sampled_from(STRATEGIES), "strategy")
+    pdt = torch.bfloat16
+    if strategy in ("kahan", "none"):
+        pdt = data.draw(st.sampled_from([torch.bfloat16, torch.float16]), "param dtype")
+    return dict(
+        strategy=strategy,
+        pdt=pdt,
+        state_dtype=data.draw(st.sampled_from(STATE_DTYPES), "state_dtype"),
+        amsgrad=data.draw(st.booleans(), "amsgrad"),
+        decoupled=data.draw(st.booleans(), "decoupled"),
+        maximize=data.draw(st.booleans(), "maximize"),
+        gdt=data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), "grad"),
+        layouts=data.draw(st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=3), "layouts"),
+        specials=data.draw(st.booleans(), "specials"),
+        skip=data.draw(st.lists(st.booleans(), min_size=3, max_size=3), "skips"),
+        scale=data.draw(st.sampled_from([None, 1.0, 1024.0]), "scale"),
+        tensor_lr=data.draw(st.booleans(), "tensor lr"),
+        seed=data.draw(st.integers(0, 2**16), "seed"),
+    )
+
+
+def _run(c: dict[str, Any], impl: str) -> Any:
+    gen = torch.Generator().manual_seed(c["seed"])
+    params = {
+        f"p{i}": _laid(kind, shape, _values(gen, _numel(shape), 0.5, False).to(c["pdt"]))
+        for i, (kind, shape) in enumerate(c["layouts"])
+    }
+    masters = mpfunc.init_master(params, strategy=c["strategy"], seed=3)
+    lr: Any = torch.tensor(1e-2) if c["tensor_lr"] else 1e-2
+    make = mpfunc.adamw if c["decoupled"] else mpfunc.adam
+    opt = make(lr=lr, weight_decay=0.1, amsgrad=c["amsgrad"], maximize=c["maximize"],
+               state_dtype=c["state_dtype"], impl=impl)  # fmt: skip
+    state = opt.init(masters)
+    kw: dict[str, Any] = {"params": params} if c["strategy"] == "fp32" else {}
+    for k, skip in enumerate(c["skip"]):
+        grads = {
+            n: _values(gen, p.numel(), 1.0, c["specials"] and k == 1)
+            .to(c["gdt"])
+            .reshape(p.shape)
+            .to(memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format)
+            for n, p in params.items()
+        }
+        if c["scale"] is not None:
+            kw["scale"] = torch.tensor(c["scale"])
+        masters, state = mpfunc.apply_update_(
+            masters, grads, state, opt, skip=torch.tensor(skip), **kw
+        )
+    return params, masters, state
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_native_composed_equals_torch_path(composed: list[int], data: st.DataObject) -> None:
+    c = _case(data)
+    composed.clear()  # (one fixture serves every example)
+    want = _run(c, "fused")
+    assert not composed
+    got = _run(c, "auto")
+    assert_trees_bits_equal(got, want, nan_payload=False)
+    if c["strategy"] == "fp32" and c["state_dtype"] is None:
+        return  # the fp32 kernel's own case
+    # Grads are contiguous (channels_last for 4-d leaves): the native pass takes every leaf
+    # whose param shares that layout.
+    if any(kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
+        c["strategy"] == "stochastic" or c["state_dtype"] == torch.uint8))
+        for kind, _ in c["layouts"]):  # fmt: skip
+        assert composed, "the native composed step never ran"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+def test_every_pair_takes_the_native_pass(
+    composed: list[int], strategy: str, state_dtype: Any
+) -> None:
+    params = {"w": torch.randn(64, 48).bfloat16(), "b": torch.randn(40).bfloat16()}
+    masters = mpfunc.init_master(params, strategy=strategy)
+    opt = mpfunc.adamw(lr=1e-3, state_dtype=state_dtype)
+    state = opt.init(masters)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
+    mpfunc.apply_update_(masters, grads, state, opt, **kw)
+    plain = strategy == "fp32" and state_dtype is None
+    assert composed == ([] if plain else [2])
+
+
+def test_native_refuses_a_wrong_call_before_writing(native: Any) -> None:
+    p = torch.randn(64).bfloat16()
+    r = torch.zeros(64, dtype=torch.int16)
+    g = torch.randn(64).bfloat16()
+    m, v = torch.zeros(64), torch.zeros(64)
+    step = torch.zeros(())
+    before = snapshot([p, r, m, v, step])
+    args = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                decoupled=True, amsgrad=False, maximize=False, grad_scale=None,
+                found_inf=None)  # fmt: skip
+    with pytest.raises(ValueError, match=r"remainder"):
+        # a remainder of another shape
+        native.step_composed_(1, 0, [p], [r[:32]], [g], [[m], [v]], [], [step], [], [],
+                              *args.values())  # fmt: skip
+    with pytest.raises(TypeError, match=r"at \[0\]"):
+        # an fp32 param for the remainder strategy
+        native.step_composed_(1, 0, [p.float()], [r], [g], [[m], [v]], [], [step], [], [],
+                              *args.values())  # fmt: skip
+    assert_unchanged([p, r, m, v, step], before)
