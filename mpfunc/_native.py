@@ -8,7 +8,14 @@ element for bf16 grads and params, where ``grads_to_fp32_`` + fused AdamW +
 (torch's fused CPU kernel on the fp32 grads divided by ``scale``, then ``Tensor.to``) for
 non-NaN values (tested against torch 2.9's AVX512, AVX2 and DEFAULT kernels, and 2.4's
 AVX512); NaN
-lands in the same places, with payload bits not promised. ``cast_`` converts lists of
+lands in the same places, with payload bits not promised.
+
+The same kernel serves every master strategy and state format (``step_composed_``, picked
+by ``_plan._composed_fits``): per tile of 1,024 elements the strategy's load and the state
+format's decode fill cache-resident fp32 scratch, the fp32 math runs on it, and the encode
+and store write it back, bit for bit the torch path (load, torch's fused kernel, store).
+
+``cast_`` converts lists of
 tensors between float32 and bfloat16/float16 bit for bit as ``Tensor.to`` does, NaN
 included (mpfunc uses it only for the dtype pairs where torch's own NaN bits do not
 depend on its thread split; see ``cast_agrees``). ``csrc/adam_mixed.cpp`` says which

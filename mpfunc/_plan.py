@@ -12,9 +12,11 @@ group becomes one or more kernel calls (``Work``):
   bf16 or 8-bit state, ``stats=``, lazy devices other than torch_xla's) the foreach
   path remains.
 * ``auto`` picks ``native`` on the CPU where the rule has one (mpfunc's own kernel,
-  ``_native``: the whole mixed step in one pass), the master is a plain float32 tensor,
-  the state float32, no stats are asked for, the leaf's tensors (master, grad, state,
-  model param) are dense with equal strides, and the kernel builds here; else ``fused``
+  ``_native``: the whole mixed step in one pass), no stats are asked for, the kernel
+  builds here, and the leaf fits it: a float32 master with float32 state, or any master
+  strategy with float32, bf16 or 8-bit state (``_composed_fits``: the composed pass),
+  the leaf's tensors (master or unit, grad, state, model param) dense with equal strides,
+  and contiguous where draws or 8-bit blocks follow the element index; else ``fused``
   where the rule has a fused kernel, torch has one for the device and dtype, and the
   layouts are as for ``native``; otherwise ``foreach``. torch's fused kernels pair elements
   by memory position, so a channels_last master with a contiguous grad would mix

@@ -1,0 +1,1 @@
+"""python -m bench.pairs: every (strategy, state format) pair beside the peers."""

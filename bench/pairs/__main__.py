@@ -1,0 +1,267 @@
+"""Every (master strategy, state format) pair of one AdamW step, side by side with the peers.
+
+One process, contenders interleaved round by round (a round times each contender once), at
+each thread count in turn. Each row is the median over rounds of the row's time divided by
+torch's fused fp32 AdamW (``torch.optim.AdamW(fused=True)`` on an fp32 tree of the same
+shapes) in the same round, with the 25th-75th percentile of those ratios: medians of
+per-round ratios hold up when other work slows the machine for a while. mpfunc steps take
+bf16 grads and leave bf16 params (the ``"fp32"`` pairs write the rounded params too).
+
+Peers run where they import (installed by the ``bench`` extra): torch-optimi's AdamW with
+``kahan_sum=True``, bitsandbytes' AdamW8bit (its CPU backend), torchao's AdamW8bit,
+AdamW4bit and ``_AdamW(bf16_stochastic_round=True)`` (each step wrapped in torch.compile
+by torchao; compiled once, before the timed rounds), all on bf16 params and grads. A peer
+that cannot import or run is a row that says why.
+
+    python -m bench.pairs                        # 8M params, 1 and 2 threads, ~2 minutes
+    python -m bench.pairs --count                # also 10,000 leaves of 1,000 elements
+    python -m bench.pairs --smoke --out /tmp/p   # seconds
+    python -m bench.pairs --out bench/results/pairs   # refresh the committed results
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import mpfunc
+from bench.common import meta as meta_mod
+from bench.common.machine import load_avg
+from bench.common.report import fmt, header, write_json
+
+BF16 = torch.bfloat16
+U8 = torch.uint8
+
+# (strategy, state_dtype, persistent bytes per param: param + master/buffer + moments)
+PAIRS: list[tuple[str, torch.dtype | None, float]] = [
+    ("fp32", None, 2 + 4 + 8),
+    ("remainder", None, 2 + 2 + 8),
+    ("kahan", BF16, 2 + 2 + 4),
+    ("fp32", U8, 2 + 4 + 2.125),
+    ("remainder", U8, 2 + 2 + 2.125),
+    ("kahan", U8, 2 + 2 + 2.125),
+    ("stochastic", BF16, 2 + 4),
+    ("stochastic", U8, 2 + 2.125),
+    ("none", BF16, 2 + 4),
+]
+
+Step = Callable[[], Any]
+
+
+def _shapes(numel: int, tensors: int) -> list[tuple[int]]:
+    return [(numel // tensors,)] * tensors
+
+
+def _torch_fused(shapes: list[tuple[int]]) -> Step:
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape) * 1e-2
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    return opt.step
+
+
+def _mpfunc(shapes: list[tuple[int]], strategy: str, state_dtype: torch.dtype | None) -> Step:
+    params = {f"p{i}": torch.randn(s).to(BF16) for i, s in enumerate(shapes)}
+    grads = {k: (torch.randn(v.shape) * 1e-2).to(BF16) for k, v in params.items()}
+    masters = mpfunc.init_master(params, strategy=strategy)
+    opt = mpfunc.adamw(lr=1e-3, state_dtype=state_dtype)
+    state = opt.init(masters)
+    kw = {"params": params} if strategy == "fp32" else {}
+    return lambda: mpfunc.apply_update_(masters, grads, state, opt, **kw)
+
+
+def _torch_step(make: Callable[[list[torch.nn.Parameter]], Any], shapes: list[tuple[int]]) -> Step:
+    ps = [torch.nn.Parameter(torch.randn(s).to(BF16)) for s in shapes]
+    for p in ps:
+        p.grad = (torch.randn(p.shape) * 1e-2).to(BF16)
+    opt = make(ps)
+    return opt.step
+
+
+def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]]]:
+    """(name, persistent bytes per param, factory) of each peer; factories import lazily."""
+
+    def optimi_kahan(ps: list[torch.nn.Parameter]) -> Any:
+        import optimi
+
+        return optimi.AdamW(ps, lr=1e-3, kahan_sum=True)
+
+    def bnb_8bit(ps: list[torch.nn.Parameter]) -> Any:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(ps, lr=1e-3)
+
+    def torchao(name: str, **kw: Any) -> Callable[[list[torch.nn.Parameter]], Any]:
+        def make(ps: list[torch.nn.Parameter]) -> Any:
+            from torchao import optim as ao
+
+            return getattr(ao, name)(ps, lr=1e-3, **kw)
+
+        return make
+
+    return [
+        ("torch-optimi AdamW kahan_sum (bf16 state)", 2 + 2 + 4, optimi_kahan),
+        ("bitsandbytes AdamW8bit (CPU backend)", 2 + 2.0, bnb_8bit),
+        ("torchao AdamW8bit (compiled)", 2 + 2.0, torchao("AdamW8bit")),
+        ("torchao AdamW4bit (compiled)", 2 + 1.0, torchao("AdamW4bit")),
+        ("torchao _AdamW bf16_stochastic_round (compiled)", 2 + 4,
+         torchao("_AdamW", bf16_stochastic_round=True)),
+    ]  # fmt: skip
+
+
+def _contenders(
+    shapes: list[tuple[int]], peers: bool
+) -> tuple[dict[str, tuple[float, Step]], dict[str, str]]:
+    """name -> (bytes per param, step), and name -> why a peer could not run."""
+    out: dict[str, tuple[float, Step]] = {"torch fused fp32 AdamW": (4 + 8, _torch_fused(shapes))}
+    for strategy, sd, nbytes in PAIRS:
+        name = f"mpfunc {strategy} + {'fp32' if sd is None else str(sd).removeprefix('torch.')}"
+        out[name] = (nbytes, _mpfunc(shapes, strategy, sd))
+    failed: dict[str, str] = {}
+    if peers:
+        for name, nbytes, make in _peers():
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    step = _torch_step(make, shapes)
+                    step()  # compiles where the peer compiles; fails here if it cannot run
+                out[name] = (nbytes, step)
+            except Exception as e:
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                traceback.print_exc(limit=1, file=sys.stderr)
+    return out, failed
+
+
+def _measure(contenders: dict[str, tuple[float, Step]], rounds: int) -> dict[str, list[float]]:
+    for _, step in contenders.values():  # warm-up: first-call checks, plans, compiles
+        step()
+        step()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, (_, step) in contenders.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _rows(
+    times: dict[str, list[float]], contenders: dict[str, tuple[float, Step]]
+) -> list[dict[str, Any]]:
+    base = times["torch fused fp32 AdamW"]
+    rows = []
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base)]
+        rows.append({
+            "name": name, "bytes_per_param": contenders[name][0],
+            "median_ms": statistics.median(ts) * 1e3, "ratio": statistics.median(ratios),
+            "ratio_q25": _quantile(ratios, 0.25), "ratio_q75": _quantile(ratios, 0.75),
+            "times_s": ts,
+        })  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    run_meta = meta_mod.Run("pairs", args.argv)
+    configs = [("size", _shapes(args.numel, args.tensors), True)]
+    if args.count:
+        configs.append(("count", _shapes(args.count_leaves * 1000, args.count_leaves), False))
+    parts = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for label, shapes, peers in configs:
+            load0 = load_avg()
+            contenders, failed = _contenders(shapes, peers and not args.no_peers)
+            times = _measure(contenders, args.rounds)
+            parts.append({
+                "threads": threads, "config": label, "tensors": len(shapes),
+                "numel": sum(math.prod(s) for s in shapes),
+                "load_avg": {"start": load0, "end": load_avg()},
+                "rows": _rows(times, contenders), "failed": failed,
+            })  # fmt: skip
+            print(render_part(parts[-1]), flush=True)
+    return {"meta": run_meta.finish(threads=None), "parts": parts}
+
+
+def render_part(part: dict[str, Any]) -> str:
+    cores = os.cpu_count() or 1
+    load = part["load_avg"]
+    busy = max(x for x in load.values() if x is not None) if any(load.values()) else None
+    lines = [
+        f"### {part['numel']:,} params in {part['tensors']:,} tensors, {part['threads']} "
+        f"thread{'s' if part['threads'] != 1 else ''}",
+        "",
+        f"Load average {fmt(load['start'], '{:.2f}')} -> {fmt(load['end'], '{:.2f}')}"
+        + (
+            f" (WARNING: above the {cores} cores; timings are inflated)"
+            if busy and busy > cores
+            else ""
+        ),
+        "",
+        "| contender | B/param | ms (median) | ratio to torch fused fp32 | 25-75% |",
+        "|---|--:|--:|--:|---|",
+    ]
+    for r in part["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['bytes_per_param']:.3g} | {r['median_ms']:.2f} | "
+            f"{r['ratio']:.2f} | {r['ratio_q25']:.2f}-{r['ratio_q75']:.2f} |"
+        )
+    for name, why in part["failed"].items():
+        lines.append(f"| {name} | | | did not run | {why} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(result: dict[str, Any]) -> str:
+    out = [
+        "# One AdamW step per (strategy, state format), beside the peers",
+        "",
+        *header(result["meta"]),
+        "",
+    ]
+    for part in result["parts"]:
+        out.append(render_part(part))
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pairs", description=__doc__.splitlines()[0])
+    p.add_argument("--numel", type=int, default=1 << 23, help="params in all (default 8M)")
+    p.add_argument("--tensors", type=int, default=8)
+    p.add_argument("--threads", default="1,2", help="comma list of torch thread counts")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--count", action="store_true", help="also 10,000 leaves of 1,000 elements")
+    p.add_argument("--count-leaves", type=int, default=10_000)
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, 3 rounds, no peers")
+    meta_mod.add_out_argument(p, "pairs")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.threads = [int(t) for t in str(args.threads).split(",")]
+    if args.smoke:
+        args.numel, args.tensors, args.rounds, args.no_peers = 1 << 16, 4, 3, True
+        args.count_leaves = 100
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "pairs.json", result)
+    (args.out / "pairs.md").write_text(render(result))
+    print(f"wrote {args.out / 'pairs.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
