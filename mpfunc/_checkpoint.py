@@ -1052,35 +1052,51 @@ def _temp_prefix(base: str) -> str:
     return f".{base}.{_TMP_TAG[1:]}"
 
 
-def _remove_stale(folder: str, base: str) -> None:
-    """Removes temporary files left by earlier saves to the same path whose writer is gone.
+# Every temporary file ``_create_temp`` names, whatever checkpoint it was for.
+_TEMP_NAME = re.compile(
+    rf"\..+{re.escape(_TMP_TAG)}[0-9]{{1,{_PID_DIGITS}}}-[0-9a-f]{{8}}\Z", re.DOTALL
+)
 
-    Each writer holds an exclusive ``flock`` on its temporary file until the file has
-    been renamed into place, and the kernel drops the lock when the writer dies (even by
-    SIGKILL). A temporary file whose lock can be taken therefore has no live writer,
-    whatever its pid says (pids are reused, and mean nothing across containers or
-    hosts); one still locked belongs to a concurrent save and is left alone.
+
+def _remove_stale(folder: str) -> None:
+    """Removes the temporary files that saves into ``folder`` left behind when their
+    writer died (a job killed mid-save), whatever checkpoint they were for: a killed
+    ``save("ckpt-100.pt")`` is cleaned up by the next ``save("ckpt-200.pt")``.
+
+    Only names ``_create_temp`` makes (``.<name>.mpfunc-tmp-<pid>-<8 hex digits>``) that
+    are regular files are candidates. Each writer holds an exclusive ``flock`` on its
+    temporary file until the file has been renamed into place, and the kernel drops the
+    lock when the writer dies (even by SIGKILL). A temporary file whose lock can be
+    taken therefore has no live writer, whatever its pid says: pids are reused (a
+    restarted job in a container often gets the dead one's pid back) and mean nothing
+    across containers or hosts, so ``os.kill(pid, 0)`` would both keep dead files and
+    misjudge other hosts' writers. One still locked belongs to a concurrent save and is
+    left alone; so are this process's own saves in flight (``_ACTIVE``), and everything
+    on a file system without locks.
     """
     if fcntl is None:
         return
-    prefix = _temp_prefix(base)
-    pattern = re.compile(re.escape(prefix) + r"\d+-[0-9a-f]{8}\Z")
     try:
-        names = [e.name for e in os.scandir(folder) if e.name.startswith(prefix)]
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries if _TEMP_NAME.match(e.name)]
     except OSError:
         return
     for name in names:
         tmp = os.path.join(folder, name)
         with _ACTIVE_LOCK:
-            if not pattern.match(name) or tmp in _ACTIVE:  # another thread's save
+            if tmp in _ACTIVE:  # another thread's save
                 continue
-        try:
-            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | _O_CLOEXEC)
+        try:  # O_NOFOLLOW: a symlink is not ours; O_NONBLOCK: a FIFO must not block
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | _O_CLOEXEC
+            fd = os.open(tmp, flags)
         except OSError:
             continue
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.samestat(os.lstat(tmp), os.fstat(fd)):  # still the file we locked
+            if os.path.samestat(os.lstat(tmp), st):  # still the file we locked
                 os.unlink(tmp)
         except OSError:
             pass  # locked: a live save owns it; or it went away meanwhile
@@ -1147,8 +1163,9 @@ def save(path: PathLike, tree: Any) -> None:
     storage behind it. The file is written to ``.<name>.mpfunc-tmp-<pid>-<random>``
     in the same folder, flushed and fsynced, then renamed over ``path``, so a crash
     mid-save never destroys the previous checkpoint. Temporary files that earlier
-    saves to ``path`` left behind (a process killed mid-save) are removed, unless a
-    live save is still writing them. The file gets the permissions ``torch.save``
+    saves into the same folder left behind (a process killed mid-save, whichever
+    checkpoint it was writing) are removed, unless a live save is still writing them;
+    no other file is touched. The file gets the permissions ``torch.save``
     would give it: those of the file it replaces, else 0o666 less the umask.
     ``path`` itself is replaced: a symlink there becomes the file. (mpfunc 0.1
     cannot load these files: it reports the manifest as an unexpected key.)
@@ -1174,7 +1191,7 @@ def save(path: PathLike, tree: Any) -> None:
     where = os.fspath(path)
     target = os.path.abspath(where)
     folder, base = os.path.split(target)
-    _remove_stale(folder, base)
+    _remove_stale(folder)
     fd, tmp = _create_temp(fn, where, folder, base)
     try:
         _keep_mode(fd, target)
