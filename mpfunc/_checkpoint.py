@@ -65,7 +65,8 @@ __all__ = [
     "state_dict",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
+# A file path as ``open`` takes it; file objects are refused (see ``_path``).
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 MANIFEST_KEY = "__mpfunc_manifest__"
 _FORMAT = "mpfunc.checkpoint"
@@ -883,7 +884,11 @@ def _scan(fn: str, path: str, f: io.BufferedReader, size: int) -> dict[str, _Met
         return metas
     except (_Unreadable, zipfile.BadZipFile, pickle.UnpicklingError, EOFError) as e:
         raise ValueError(f"{_unreadable(fn, path)}: {e}") from None
-    except (TypeError, AttributeError, IndexError, KeyError, struct.error) as e:
+    except NotImplementedError as e:  # zipfile: a version or method it cannot read
+        raise ValueError(
+            f"{_unreadable(fn, path)}: its zip archive uses a feature torch.save never writes ({e})"
+        ) from None
+    except (TypeError, AttributeError, IndexError, KeyError, OverflowError, struct.error) as e:
         raise ValueError(f"{_unreadable(fn, path)}: {type(e).__name__}: {e}") from None
     except ValueError as e:
         if str(e).startswith(f"{fn}: "):
@@ -913,13 +918,57 @@ def _unreadable(fn: str, path: str) -> str:
     )
 
 
+def _path(fn: str, path: object) -> str:
+    """The user's path as a ``str``, checked before anything is read or written.
+
+    ``str``, ``bytes`` and ``os.PathLike`` (of either) are accepted, bytes decoded as the
+    ``os`` functions decode them (``os.fsdecode``, lossless). A file object is refused:
+    ``save`` writes a temporary file beside its target and renames it into place, and
+    ``load`` verifies the file before ``torch.load`` reads it, neither of which a stream
+    allows. A path whose last part is empty, ``.`` or ``..`` names a folder, not a file:
+    refused, where ``os.path.abspath`` would quietly turn ``"c.pt/"`` into ``"c.pt"``.
+    """
+    try:
+        where: str = os.fsdecode(cast(Any, path))  # os.fspath, then bytes decoded
+    except TypeError:
+        why = (
+            "it writes a temporary file beside the checkpoint and renames it into place"
+            if fn == "save"
+            else "it verifies the whole file before torch.load reads it"
+        )
+        raise TypeError(
+            f"{fn}: path: expected a str, bytes or os.PathLike naming a file, got "
+            f"{_checks.describe(path)}. File objects (open(...), io.BytesIO) are not "
+            f"accepted, because {why}: pass the file's path"
+        ) from None
+    seps = os.sep + (os.altsep or "")
+    if not _path_names_file(where):
+        last = os.path.basename(where)
+        if not where:
+            why = "an empty path"
+        elif where[-1] in seps:
+            name = where.rstrip(seps)
+            hint = f"; did you mean {name!r}?" if _path_names_file(name) else ""
+            why = f"{where!r}, which ends in a path separator, so it names a folder{hint}"
+        else:
+            why = f"{where!r}, which ends in {last!r}, so it names a folder"
+        raise ValueError(
+            f"{fn}: path: expected the path of a file, got {why} (nothing was read or written)"
+        )
+    return where
+
+
+def _path_names_file(where: str) -> bool:
+    return os.path.basename(where) not in ("", ".", "..")
+
+
 def _read(
-    fn: str, path: PathLike, wanted: Mapping[str, torch.Tensor], unverified: bool
+    fn: str, where: str, wanted: Mapping[str, torch.Tensor], unverified: bool
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """Every check of a file, then ``torch.load``: the seal, the zip and pickle scan (sizes,
     kinds), the keys, shapes and dtypes against ``wanted``, and after loading the manifest.
-    Returns the user's path as given and the state dict without its manifest."""
-    where = os.fspath(path)
+    ``where`` is the user's path from ``_path``. Returns it and the state dict without its
+    manifest."""
     try:
         f = open(where, "rb")  # noqa: SIM115 - closed below, after torch.load
     except FileNotFoundError:
@@ -965,7 +1014,8 @@ def load(path: PathLike, like: Any, *, unverified: bool = False) -> Any:
     modified: to resume a run, use ``load_``, which writes into the run's own tensors.
 
     Args:
-      path: a file written by ``save``.
+      path: a file written by ``save``: a ``str``, ``bytes`` or ``os.PathLike`` (not a
+        file object).
       like: a tree of the wanted structure (e.g. freshly initialized masters and state).
       unverified: also accept a file without mpfunc's checksum: one written by mpfunc
         0.1 (before checksums) or a plain ``torch.save`` of a state dict. Sizes, kinds,
@@ -980,13 +1030,16 @@ def load(path: PathLike, like: Any, *, unverified: bool = False) -> Any:
         holding objects other than tensors), is corrupt (a checksum does not match),
         declares more data than it holds, has no checksum (unless ``unverified``), or
         belongs to another tree (every missing/unexpected key and shape/dtype mismatch
-        is listed). The message names ``path``.
+        is listed). The message names ``path``. Also when ``path`` ends in a separator,
+        ``.`` or ``..`` (it names a folder).
+      TypeError: ``path`` is not a ``str``, ``bytes`` or ``os.PathLike`` (a file object).
       FileNotFoundError: ``path`` does not exist.
     """
     fn = "load"
+    where = _path(fn, path)
     keys, leaves, spec = _keyed_leaves(fn, like)
     wanted = {k: t for k, t in zip(keys, leaves) if k is not None}
-    where, sd = _read(fn, path, wanted, unverified)
+    where, sd = _read(fn, where, wanted, unverified)
     sd = _check_values(fn, repr(where), keys, leaves, _check_file_sd(fn, where, sd))
     return _fresh(keys, leaves, spec, sd)
 
@@ -1008,7 +1061,7 @@ def load_(path: PathLike, tree: Any, *, unverified: bool = False) -> Any:
     A loss scale is an immutable value whose tensors are restored in place too.
 
     Args:
-      path: a file written by ``save``.
+      path: a file written by ``save``, as in ``load``.
       tree: the tree to restore, written in place.
       unverified: as in ``load``.
 
@@ -1016,13 +1069,15 @@ def load_(path: PathLike, tree: Any, *, unverified: bool = False) -> Any:
       ``tree``, for chaining.
 
     Raises:
-      ValueError, FileNotFoundError: as ``load``, and as ``load_state_dict_`` for a leaf
-        that cannot be written in place. Nothing is written unless every check passes.
+      TypeError, ValueError, FileNotFoundError: as ``load``, and as ``load_state_dict_``
+        for a leaf that cannot be written in place. Nothing is written unless every check
+        passes.
     """
     fn = "load_"
+    where = _path(fn, path)
     keys, leaves, _ = _keyed_leaves(fn, tree)
     wanted = {k: t for k, t in zip(keys, leaves) if k is not None}
-    where, sd = _read(fn, path, wanted, unverified)
+    where, sd = _read(fn, where, wanted, unverified)
     sd = _check_values(fn, repr(where), keys, leaves, _check_file_sd(fn, where, sd))
     _write_into(fn, keys, leaves, sd)
     return tree
@@ -1171,16 +1226,21 @@ def save(path: PathLike, tree: Any) -> None:
     cannot load these files: it reports the manifest as an unexpected key.)
 
     Args:
-      path: the checkpoint file to write.
+      path: the checkpoint file to write: a ``str``, ``bytes`` or ``os.PathLike`` (not a
+        file object, which cannot be written atomically).
       tree: any mpfunc tree (masters, optimizer state, loss scale, lr tensor, params).
 
     Raises:
       TypeError, ValueError: as ``state_dict``, or a leaf is not a dense tensor with
         data (sparse, quantized, meta or a tensor subclass); nothing is written then.
+      TypeError: ``path`` is not a ``str``, ``bytes`` or ``os.PathLike`` (a file object).
+      ValueError: ``path`` ends in a separator, ``.`` or ``..`` (``"c.pt/"`` names a
+        folder, not the file ``"c.pt"``); nothing is written.
       OSError: the folder is missing or not writable (the error names ``path``; the
         previous file, if any, is intact).
     """
     fn = "save"
+    where = _path(fn, path)
     sd = state_dict(tree)
     for k, v in sd.items():
         why = _kind_problem(v, plain=True)
@@ -1188,7 +1248,6 @@ def save(path: PathLike, tree: Any) -> None:
             _checks.fail(TypeError, fn, k, *why)
     host = {k: _host_bytes(v) for k, v in sd.items()}
     host[MANIFEST_KEY] = _manifest(host)
-    where = os.fspath(path)
     target = os.path.abspath(where)
     folder, base = os.path.split(target)
     _remove_stale(folder)
