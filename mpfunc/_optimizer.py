@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, NoReturn, Union
 
 import torch
 from optree import PyTreeSpec
@@ -147,6 +147,10 @@ class Optimizer(NamedTuple):
     are skipped, as torch.optim skips parameters without ``.grad``. Build one with
     ``mpfunc.sgd``, ``adam``, ``adamw``, ``lion``, ``partition`` or ``torch_optimizer``;
     call it through ``apply_update``/``apply_update_``.
+
+    It is not a ``torch.optim.Optimizer``: ``opt.step()``, ``opt.param_groups`` and the
+    other torch.optim attributes raise an ``AttributeError`` that points to
+    ``mpfunc.MasterOptimizer`` (the torch.optim-style wrapper) and ``apply_update_``.
     """
 
     init: Callable[[Any], Any]
@@ -155,6 +159,51 @@ class Optimizer(NamedTuple):
     # optimizer cannot be copied, so only apply_update_ accepts it.
     functional: bool = True
     name: str = "optimizer"
+
+
+# What torch.optim.Optimizer users reach for; on a functional optimizer each gets a pointer
+# to MasterOptimizer. (torch's lr schedulers check isinstance(opt, torch.optim.Optimizer)
+# first and say "Optimizer is not an Optimizer"; LambdaLR and others read param_groups.)
+_TORCH_OPTIM_ATTRS = frozenset(
+    {
+        "step",
+        "zero_grad",
+        "param_groups",
+        "state_dict",
+        "load_state_dict",
+        "add_param_group",
+        "defaults",
+        "state",
+    }
+)
+_FACTORIES = frozenset({"sgd", "adam", "adamw", "lion"})
+
+
+def _not_torch_optim(opt: Optimizer, attr: str) -> str:
+    """The ``AttributeError`` message for ``opt.<attr>``."""
+    plain = f"'Optimizer' object has no attribute {attr!r}"
+    if attr not in _TORCH_OPTIM_ATTRS:
+        return plain
+    factory = f"mpfunc.{opt.name}" if opt.name in _FACTORIES else "mpfunc.adamw"
+    made = f"{factory}(...)" if opt.name in _FACTORIES else f"this optimizer ({opt.name!r})"
+    return (
+        f"{plain}: {made} is a functional mpfunc optimizer (init and plan, as in optax), "
+        f"not a torch.optim.Optimizer. For step(), zero_grad(), param_groups and lr "
+        f"schedulers, use mpfunc.MasterOptimizer(model.parameters(), opt={factory}, lr=...); "
+        f"to step this one, call mpfunc.apply_update_(masters, grads, state, opt) with "
+        f"state = opt.init(masters)"
+    )
+
+
+def _optimizer_getattr(self: Optimizer, attr: str) -> NoReturn:
+    # Only reached for a name that is not a field or method: a torch.optim habit gets
+    # directions, anything else (copy's __deepcopy__ probe, hasattr) the usual error.
+    raise AttributeError(_not_torch_optim(self, attr), name=attr, obj=self)
+
+
+# Set from outside the class body: typing.NamedTuple's body takes fields and methods alike,
+# but mypy would then accept any attribute of an Optimizer (a typo would pass type checks).
+setattr(Optimizer, "__getattr__", _optimizer_getattr)  # noqa: B010
 
 
 @contextlib.contextmanager
