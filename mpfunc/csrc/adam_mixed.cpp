@@ -833,6 +833,9 @@ enum Format : std::int64_t { kF32 = 0, kBF16 = 1, kU8 = 2 };
 // A multiple of the 8-bit format's 32-element block and of 64 (work items start at
 // multiples of g_chunk, itself a multiple of 64), so tiles never split a block.
 constexpr std::int64_t kTile = 1024;
+// The tile of the 16- and 32-bit formats: small enough that the four scratch rows stay
+// in L1 between load, math and store.
+constexpr std::int64_t kSmallTile = 256;
 constexpr std::int64_t kQBlock = 32;
 constexpr float kTiny = 0x1.0p-126f;  // fp32's smallest normal
 
@@ -1225,8 +1228,13 @@ void store_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t b
 void run_item(Strategy s, Format f, bool amsgrad, RangeFn math, const CLeaf& L,
               std::int64_t begin, std::int64_t end, const Hyper& h) {
   alignas(64) float sp[kTile], sm[kTile], sv[kTile], svm[kTile];
-  for (std::int64_t b = begin; b < end; b += kTile) {
-    const std::int64_t e = std::min(end, b + kTile);
+  // Small tiles keep the scratch in L1 between load, math and store; the 8-bit
+  // format's table phases run better on longer loops. Measured on Zen 4 (8M params,
+  // ratio to torch's fused fp32 step, 1 / 2 threads): kahan + bf16 1.28x with
+  // 1,024-element tiles, 0.87x / 0.67x with 256; uint8 5.1x with 1,024, 5.5x with 512.
+  const std::int64_t tile = f == kU8 ? kTile : kSmallTile;
+  for (std::int64_t b = begin; b < end; b += tile) {
+    const std::int64_t e = std::min(end, b + tile);
     float* P = load_master(s, L, b, e, sp);
     float* M = load_state(f, true, L, 0, b, e, sm);
     float* V = load_state(f, false, L, 1, b, e, sv);
