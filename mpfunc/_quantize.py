@@ -10,7 +10,16 @@ byte, a companded code relative to its block's scale:
 * **unsigned** (second moments; codes ``uint8``): ``y = sqrt(x) / s`` with ``s`` the
   block's largest ``sqrt(x)``, ``t = 2y / (1 + y)``, ``code = round(254 t)`` in
   ``[0, 254]``, and a positive ``x`` never gets code 0; ``255`` marks a non-finite
-  or negative value.
+  or negative value and decodes to ``+inf``, whatever its block's scale.
+
+Why ``+inf`` for the second moment's mark: a finite grad above about 1.8e19 overflows
+``v`` to ``inf`` in fp32 and bf16 state alike, and Adam's update ``m / (sqrt(v) + eps)``
+is then 0 there, so the master stays finite (torch.optim's behaviour). Read back as
+NaN, the mark turned that into a NaN master on the next step. A NaN second moment
+only ever comes with a NaN first moment (a NaN grad), whose mark still decodes to NaN,
+so the update is NaN exactly where fp32 state gives NaN. (Checkpoints written before
+this rule decode the same, but for such marks, which they only held beside a NaN first
+moment or after an overflow.)
 
 The code's dtype says which map it is, so a ``QState`` needs no flag beside its
 tensors, and a checkpoint that keeps dtypes keeps the map.
@@ -112,8 +121,9 @@ def bytes_per_element(numel: int) -> float:
 def _decode_table(signed: bool) -> list[float]:
     """Code -> companded-back magnitude, in float64 then rounded once to fp32 by the caller.
 
-    Entry ``i`` decodes code ``i - 128`` (signed) or ``i`` (unsigned); the NaN code decodes
-    to NaN. The inverse of ``t = 2y / (1 + |y|)`` is ``y = t / (2 - |t|)``.
+    Entry ``i`` decodes code ``i - 128`` (signed) or ``i`` (unsigned); the signed mark
+    decodes to NaN, the unsigned one to ``+inf`` (see the module docstring). The inverse
+    of ``t = 2y / (1 + |y|)`` is ``y = t / (2 - |t|)``.
     """
     if signed:
         table = [math.nan]
@@ -125,7 +135,7 @@ def _decode_table(signed: bool) -> list[float]:
     for k in range(_U_LEVELS + 1):
         t = k / _U_LEVELS
         table.append(t / (2 - t))
-    return [*table, math.nan]
+    return [*table, math.inf]
 
 
 _TABLE_CPU = {
@@ -363,7 +373,13 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Ten
     if signed:
         idx = idx + 128
     vals = torch.index_select(_table(signed, codes.device), 0, idx)
-    y = _as_blocks(vals) * scale.to(torch.float32).unsqueeze(1)
+    s = scale.to(torch.float32)
+    if not signed:
+        # The mark is +inf even in a block whose finite values are all 0 (scale 0, where
+        # inf * 0 would be NaN). Only zero scales change: every other one is at least
+        # 2**-63, and an all-zero block's finite codes are 0, so its values stay 0.
+        s = s.clamp(min=_TINY)
+    y = _as_blocks(vals) * s.unsqueeze(1)
     if not signed:
         y = y * y
     return _flush(y)
@@ -373,7 +389,8 @@ def dequantize(q: QState) -> torch.Tensor:
     """The fp32 moment a ``QState`` holds, in the codes' shape (contiguous).
 
     Signed: ``scale * T[code]``; unsigned: ``(scale * T[code]) ** 2``, where ``T`` decodes
-    the compander (``t / (2 - |t|)`` at ``t = code / levels``). The NaN code gives NaN.
+    the compander (``t / (2 - |t|)`` at ``t = code / levels``). The signed mark gives NaN,
+    the unsigned one ``+inf``.
     """
     signed = _is_signed(q.codes)
     y = _decode(q.codes.reshape(-1), q.scale, signed)

@@ -65,7 +65,9 @@ def decode_table(signed: bool) -> torch.Tensor:
     levels = 127 if signed else 254
     ks = torch.arange(-128, 128) if signed else torch.arange(256)
     t = ks.double() / levels
-    return t / (2 - t.abs())
+    table = t / (2 - t.abs())
+    table[0 if signed else 255] = math.nan if signed else math.inf  # the marks
+    return table
 
 
 def check_bounds(x: torch.Tensor, q: Q.QState, out: torch.Tensor, signed: bool) -> None:
@@ -91,7 +93,10 @@ def check_bounds(x: torch.Tensor, q: Q.QState, out: torch.Tensor, signed: bool) 
     assert torch.equal(q.scale.cpu(), want), (q.scale, want)
 
     assert bool((k[bad] == nan_code).all()), "a non-finite value did not get the NaN code"
-    assert bool(out[bad].isnan().all()), "a NaN code did not decode to NaN"
+    if signed:
+        assert bool(out[bad].isnan().all()), "the signed mark did not decode to NaN"
+    else:
+        assert bool((out[bad] == math.inf).all()), "the unsigned mark did not decode to +inf"
     assert bool((k[tiny] == 0).all()) and bool((out[tiny] == 0).all()), "a subnormal is not 0"
     assert not bool(out[~bad].isnan().any()), "NaN spread to a finite element"
 
@@ -166,7 +171,53 @@ def test_non_finite_stays_in_its_element(device: torch.device, signed: bool) -> 
         mask[1, 7] = False
         assert torch.equal(k[mask], kz[mask])
         assert torch.equal(q.scale.cpu(), qz.scale.cpu())
-        assert bool(out.cpu()[1, 7].isnan()) and not bool(out.cpu()[mask].isnan().any())
+        # The signed mark reads as NaN, the unsigned one as +inf (an overflowed v).
+        marked = out.cpu()[1, 7]
+        assert bool(marked.isnan()) if signed else float(marked) == math.inf
+        assert bool(out.cpu()[mask].isfinite().all())
+
+
+def test_unsigned_mark_is_inf_in_an_all_zero_block(device: torch.device) -> None:
+    """A block whose finite values are all 0 has scale 0; its mark still decodes to +inf
+    (not 0 * inf = NaN), and its zeros stay 0."""
+    x = torch.zeros(64)
+    x[5] = math.inf
+    q = Q.quantize(x.to(device), False)
+    out = Q.dequantize(q).cpu()
+    assert float(q.scale.cpu()[0]) == 0.0
+    assert float(out[5]) == math.inf
+    rest = torch.cat([out[:5], out[6:]])
+    assert torch.equal(rest, torch.zeros(63))
+
+
+# An optimizer step with 8-bit moments keeps every master finite that fp32 moments keep
+# finite (issue 20, item 4): a finite grad above ~1.8e19 overflows v to inf in fp32 and
+# bf16 state alike; the update there is 0, and so it must be with 8-bit state.
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+@pytest.mark.parametrize("strategy", ["fp32", "stochastic"])
+def test_overflowed_second_moment_keeps_the_master_finite(impl: str, strategy: str) -> None:
+    import mpfunc
+
+    def run(state_dtype: torch.dtype) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        p = torch.randn(64, generator=g).to(torch.bfloat16)
+        masters = mpfunc.init_master([p], strategy=strategy)
+        opt = mpfunc.adamw(1e-3, state_dtype=state_dtype, impl=impl)
+        state = opt.init(masters)
+        for k in range(3):
+            grad = torch.randn(64, generator=g).to(torch.bfloat16)
+            if k == 0:
+                grad[3] = 1e30  # finite in bf16; v = 1e-3 * 1e60 overflows fp32
+            mpfunc.apply_update_(masters, [grad], state, opt, params=[p])
+        return p.float()
+
+    want = run(torch.float32)
+    assert bool(want.isfinite().all())
+    for sd in (torch.bfloat16, torch.uint8):
+        got = run(sd)
+        assert bool(got.isfinite().all()), sd
+        # The overflowed element is frozen (update 0) in every format alike.
+        assert float(got[3]) == float(want[3]), sd
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])

@@ -881,7 +881,7 @@ MPF_INLINE void split(float x, u16& p, u16& r) {
 // ---- _quantize: 32-element blocks, bf16 absmax scales, companded codes ----------------------
 struct Tables {
   float s[256];  // code + 128 -> value (index 0: NaN)
-  float u[256];  // code -> value (255: NaN)
+  float u[256];  // code -> value (255: +inf)
   Tables() {
     s[0] = std::numeric_limits<float>::quiet_NaN();
     for (int k = -127; k <= 127; ++k) {
@@ -892,7 +892,7 @@ struct Tables {
       const double t = double(k) / 254;
       u[k] = float(t / (2 - t));
     }
-    u[255] = std::numeric_limits<float>::quiet_NaN();
+    u[255] = std::numeric_limits<float>::infinity();  // the mark: +inf (_quantize)
   }
 };
 const Tables& tables() {
@@ -938,7 +938,12 @@ void decode(const void* codes, const u16* scales, std::int64_t b, std::int64_t e
     for (std::int64_t i = 0; i < n; ++i) idx[i] = std::int32_t(c[i]);
   }
   for (std::int64_t i = n; i < blocks * kQBlock; ++i) idx[i] = kSigned ? 128 : 0;
-  for (std::int64_t k = 0; k < blocks; ++k) sc[k] = BF16::load(scales[b / kQBlock + k]);
+  for (std::int64_t k = 0; k < blocks; ++k) {
+    const float f = BF16::load(scales[b / kQBlock + k]);
+    // Unsigned: a zero scale reads as fp32's smallest normal, so the mark is +inf in any
+    // block (_quantize._decode's clamp; std::max keeps a NaN scale NaN, as clamp does).
+    sc[k] = kSigned ? f : std::max(f, kTiny);
+  }
   expand(sc, blocks, ex);
   for (std::int64_t k = 0; k < blocks; ++k) gather_block(T, idx + k * kQBlock, val + k * kQBlock);
   for (std::int64_t i = 0; i < n; ++i) {
