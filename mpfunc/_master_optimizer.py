@@ -14,20 +14,23 @@ low-precision parameters and, underneath, runs mpfunc's transforms on fp32 maste
   refreshed from the group's float by a host-to-device copy, so a scheduler's new lr
   never enters a traced graph as a constant;
 * ``self.state[param]`` holds the very tensors the step writes (moments, step count,
-  and the fp32 ``"master"``), so torch's ``state_dict()`` is used as is.
+  and the fp32 ``"master"``), so torch's ``state_dict()`` is used as is. It is the live
+  state, as in torch.optim: an entry written in place or replaced is what the next step
+  uses (``_take_up``), and an emptied entry starts that param afresh.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.optimizer import required
 
-from mpfunc import _checks, _plan
+from mpfunc import _checks, _plan, _sharding
 from mpfunc._adam import adamw
 from mpfunc._apply_update import apply_update_
 from mpfunc._checks import Side
@@ -60,6 +63,32 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     return value
+
+
+_TAKE_UP_HINT = (
+    "MasterOptimizer.state is the live state, as in torch.optim: replace an entry with a "
+    "tensor like it (torch.zeros_like(t)), write into it (t.zero_()), or set "
+    "opt.state[p] = {} to start that param afresh"
+)
+
+
+def _check_like(fn: str, path: str, held: Any, new: Any) -> None:
+    """Raises unless ``new`` can stand in for ``held`` in the state: a tensor of its dtype,
+    shape and device; a NamedTuple (8-bit moments) of its type, field by field."""
+    if new is held:
+        return
+    if isinstance(held, tuple) and type(new) is type(held):
+        for name, a, b in zip(held._fields, held, new):  # type: ignore[attr-defined]
+            _check_like(fn, f"{path}.{name}", a, b)
+        return
+    if not isinstance(held, torch.Tensor):  # pragma: no cover - state holds tensors
+        raise TypeError(f"{fn}: at {path!r}: cannot replace {_checks.describe(held)}")
+    if not isinstance(new, torch.Tensor) or new.layout != torch.strided:
+        _checks.fail(TypeError, fn, path, f"{_checks.describe(held)} (like the one it replaces)",
+                     _checks.describe(new), _TAKE_UP_HINT)  # fmt: skip
+    if (new.dtype, new.shape, new.device) != (held.dtype, held.shape, held.device):
+        _checks.fail(ValueError, fn, path, f"{_checks.describe(held)} (like the one it replaces)",
+                     _checks.describe(new), _TAKE_UP_HINT)  # fmt: skip
 
 
 def _extend(state: Any, n: int) -> None:
@@ -109,6 +138,14 @@ class MasterOptimizer(torch.optim.Optimizer):
     values, elementwise where they differ from the rounded master, so an unchanged
     element keeps its fp32 bits.
 
+    ``opt.state`` is the live state, as in torch.optim: what the next ``step()`` uses and
+    ``state_dict()`` saves. An entry written in place (``opt.state[p]["exp_avg"].zero_()``)
+    or replaced by a tensor like it (``= torch.zeros_like(...)``; a replaced ``"master"``
+    is rounded into the param at once) is taken up; ``opt.state[p] = {}`` or
+    ``opt.state.clear()`` starts those params afresh (step 0, zero moments, masters from
+    the params). A replacement of another dtype, shape or device, or an entry with other
+    keys, is refused before anything is written.
+
     ``torch.amp.GradScaler`` drives it through torch's ``_step_supports_amp_scaling``
     protocol: ``scaler.step(opt)`` hands the loss scale and a device-side ``found_inf``
     to ``step``, which divides the grads by the scale in fp32 and skips the update on the
@@ -151,6 +188,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._masters: list[torch.Tensor | None] = []
         self._labels: list[str | None] = []
         self._versions: list[int] = []
+        # The dict put in self.state[param] and its entries then, to notice what a user
+        # replaced there (None: no master, no state).
+        self._linked: list[tuple[dict[str, Any], tuple[str, ...], tuple[Any, ...]] | None] = []
         self._states: dict[str, Any] = {}  # label -> that group's mpfunc state
         self._built: dict[str, tuple[Any, Optimizer]] = {}  # label -> (values, optimizer)
         self._lr_dev: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}
@@ -255,6 +295,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._masters += masters
         self._labels += [None if m is None else label for m in masters]
         self._versions += [p._version for p in params]
+        self._linked += [None] * n
         for state in self._states.values():
             _extend(state, n)
         self._states[label] = self._built[label][1].init([None] * n_old + masters)
@@ -267,6 +308,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         p, m, label = self._params[j], self._masters[j], self._labels[j]
         if m is None or label is None:
             self.state.pop(p, None)
+            self._linked[j] = None
             return
         state = self._states[label]
         entry = {
@@ -276,6 +318,83 @@ class MasterOptimizer(torch.optim.Optimizer):
         }
         entry.update(_master_entries(m))
         self.state[p] = entry
+        self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
+
+    # --- opt.state, the live state --------------------------------------------------------
+
+    def _take_up(self, fn: str) -> None:
+        """Makes what the user wrote into ``self.state`` the state the step uses, as
+        torch.optim does: a replaced entry (``state[p]["exp_avg"] = torch.zeros_like(...)``)
+        becomes the tensor the step writes, and an entry emptied or removed
+        (``state[p] = {}``, ``state.clear()``) starts that param afresh: step count 0, zero
+        moments, its master made from the param as at the start. (Writes into an entry's
+        tensor need nothing: they are the step's own tensors.)
+
+        Every change is checked before any is taken: a replacement must be a tensor of the
+        dtype, shape and device of the one it replaces; an entry keeps its keys. Costs one
+        identity test per entry when nothing changed: no tensor is read.
+        """
+        state = self.state
+        changed: list[tuple[int, dict[str, Any] | None]] = []
+        for j, (p, linked) in enumerate(zip(self._params, self._linked)):
+            if linked is None:
+                continue  # no master: torch.optim makes state at the first grad too
+            entry = state.get(p)
+            held, keys, values = linked
+            # A replaced value keeps its key's place: same keys in the same order and the
+            # same objects mean nothing was replaced, added or removed.
+            if (
+                entry is held
+                and tuple(entry) == keys
+                and all(map(operator.is_, entry.values(), values))
+            ):
+                continue
+            where = f"opt.state[{self._names[j]}]"
+            if entry:
+                if not isinstance(entry, dict) or set(entry) != set(keys):
+                    _checks.fail(
+                        ValueError, fn, where,
+                        f"the keys {sorted(keys)} (or an empty dict, to start this param afresh)",
+                        str(sorted(entry)) if isinstance(entry, dict) else _checks.describe(entry),
+                        _TAKE_UP_HINT,
+                    )  # fmt: skip
+                for k, t in zip(keys, values):
+                    _check_like(fn, f"{where}.{k}", t, entry[k])
+            changed.append((j, entry or None))
+        for j, entry in changed:
+            if entry is None:
+                self._adopt(j)  # a fresh master and state, linked anew
+            else:
+                self._replace(j, entry)
+
+    def _replace(self, j: int, entry: dict[str, Any]) -> None:
+        """Puts the entries of ``entry`` (checked) in place of the held ones for param ``j``."""
+        label, linked = self._labels[j], self._linked[j]
+        assert label is not None and linked is not None
+        state = self._states[label]
+        m: Any = self._masters[j]  # a tensor, or a strategy's unit (a NamedTuple)
+        for k, old in zip(linked[1], linked[2]):
+            new = entry[k]
+            if new is old:
+                continue
+            if k in state._fields:
+                getattr(state, k)[j] = new
+            elif isinstance(m, torch.Tensor):  # the "fp32" strategy's master itself
+                m = new
+                p = self._params[j]
+                with torch.no_grad(), _sharding.kept([p]):  # the param shows it at once
+                    p.detach().copy_(m)
+                self._versions[j] = p._version
+            else:  # a strategy's buffer (a remainder, a compensation, a seed)
+                m = m._replace(**{k: new})
+        self._masters[j] = m
+        self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's ``state_dict()``, of the state the next step uses (writes into
+        ``self.state`` taken up first)."""
+        self._take_up("MasterOptimizer.state_dict")
+        return super().state_dict()
 
     def _lr_on_device(self, label: str, device: torch.device, value: float) -> torch.Tensor:
         """The group's lr as a 0-d fp32 tensor on a lazy device, written at every step from
@@ -393,6 +512,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         opt = self._optimizer()
+        self._take_up(fn)
         for j, (p, m) in enumerate(zip(self._params, self._masters)):
             if m is None and p.grad is not None:
                 self._adopt(j)
@@ -403,6 +523,8 @@ class MasterOptimizer(torch.optim.Optimizer):
             skip = inf if skip is None else torch.logical_or(skip, inf.to(skip.device))
         self._resync()
         grads = [None if m is None else p.grad for p, m in zip(self._params, self._masters)]
+        if all(g is None for g in grads):
+            return loss  # no param has a grad: nothing to step, as in torch.optim
         # One pass: grads upcast (and unscaled) inside the step, params written back.
         apply_update_(
             self._masters, grads, self._states, opt, skip=skip, params=self._params, scale=scale
@@ -429,6 +551,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             out = hook(self, state_dict)
             if out is not None:
                 state_dict = out
+        self._take_up(fn)  # the values are loaded into the state the next step uses
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise TypeError(
                 f"{fn}: expected a dict with 'state' and 'param_groups' (from state_dict()), "

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.helpers import assert_bits_equal, assert_close_bound, snapshot
+from support.helpers import assert_bits_equal, assert_close_bound, assert_unchanged, snapshot
 from support.trees import sync
 
 import mpfunc
@@ -474,6 +474,120 @@ def test_params_written_outside_are_taken_up() -> None:
     opt.step()  # no grads: only the resync
     assert_bits_equal(masters(opt)[0], loaded[0].float())
     assert_bits_equal(masters(opt)[1], kept)
+
+
+# --- opt.state is the live state, as in torch.optim -----------------------------------------
+
+
+def assert_same_as_torch(opt: Any, ref_opt: Any, params: list[Any], ref: list[Any]) -> None:
+    for p, m, r in zip(params, masters(opt), ref):
+        assert_bits_equal(m, r.detach())
+        assert_bits_equal(p.detach(), m.to(torch.bfloat16))
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert_bits_equal(opt.state[p][k], ref_opt.state[r][k])
+
+
+def test_state_writes_are_the_state_as_in_torch_optim() -> None:
+    """The "reset the moments" idioms on ``opt.state``: written in place (``.zero_()``),
+    replaced (``= torch.zeros_like(...)``), the step count or the master replaced, a whole
+    entry emptied (``= {}``), ``opt.state.clear()``. The next step uses what was written,
+    bit for bit as torch.optim, and ``state_dict()`` saves what that step uses."""
+    opt, ref_opt, params, ref = adamw_pair(CPU)
+
+    def step_both(k: int) -> None:
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+
+    step_both(0)
+    step_both(1)
+    for o, ps in ((opt, params), (ref_opt, ref)):
+        o.state[ps[0]]["exp_avg_sq"].zero_()
+        o.state[ps[1]]["exp_avg"] = torch.zeros_like(o.state[ps[1]]["exp_avg"])
+        o.state[ps[2]]["step"] = torch.zeros_like(o.state[ps[2]]["step"])
+    assigned = opt.state[params[1]]["exp_avg"]
+    opt.state[params[3]]["master"] = torch.full_like(masters(opt)[3], 5.0)
+    with torch.no_grad():
+        ref[3].fill_(5.0)
+    saved = opt.state_dict()["state"]
+    assert float(saved[3]["master"]) == 5.0 and not saved[1]["exp_avg"].any()
+    assert float(params[3].detach()) == 5.0  # the param shows the master it now has
+    step_both(2)
+    assert opt.state[params[1]]["exp_avg"] is assigned  # the assigned tensor is the state
+    assert_same_as_torch(opt, ref_opt, params, ref)
+    # A param's whole entry, then all of them: state afresh, the master from the param.
+    opt.state[params[0]] = {}
+    ref_opt.state[ref[0]] = {}
+    with torch.no_grad():
+        ref[0].copy_(params[0].float())
+    step_both(3)
+    assert_same_as_torch(opt, ref_opt, params, ref)
+    opt.state.clear()
+    ref_opt.state.clear()
+    with torch.no_grad():
+        for p, r in zip(params, ref):
+            r.copy_(p.float())
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+    step_both(4)
+    assert_same_as_torch(opt, ref_opt, params, ref)
+    assert float(opt.state[params[0]]["step"]) == 1
+    # load_state_dict loads into the entries the next step uses.
+    sd = opt.state_dict()
+    assigned = opt.state[params[1]]["exp_avg"] = torch.zeros(4, 6)
+    opt.load_state_dict(sd)
+    assert opt.state[params[1]]["exp_avg"] is assigned
+    assert_bits_equal(assigned, sd["state"][1]["exp_avg"])
+
+
+def _drop(entry: dict[str, Any], key: str) -> None:
+    del entry[key]
+
+
+STATE_WRITES: list[tuple[Callable[[dict[str, Any]], None], type[Exception], str]] = [
+    (lambda e: e.update(exp_avg=e["exp_avg"].bfloat16()), ValueError,
+     r"at 'opt\.state\[param_groups\[0\]\.params\[1\]\]\.exp_avg': expected "
+     r"torch\.float32 tensor of shape \(4, 6\) on cpu \(like the one it replaces\), got "
+     r"torch\.bfloat16 tensor of shape \(4, 6\) on cpu"),
+    (lambda e: e.update(exp_avg_sq=torch.zeros(6, 4)), ValueError,
+     r"\.exp_avg_sq': expected torch.float32 tensor of shape \(4, 6\).*got torch"
+     r"\.float32 tensor of shape \(6, 4\)"),
+    (lambda e: e.update(step=0), TypeError, r"\.step': expected .*, got int 0"),
+    (lambda e: e.update(master=None), TypeError, r"\.master': expected .*, got None"),
+    (lambda e: _drop(e, "exp_avg"), ValueError,
+     r"at 'opt\.state\[param_groups\[0\]\.params\[1\]\]': expected the keys \['exp_avg', "
+     r"'exp_avg_sq', 'master', 'step'\] \(or an empty dict.*\), got \['exp_avg_sq', 'master', "
+     r"'step'\]"),
+    (lambda e: e.update(momentum_buffer=torch.zeros(4, 6)), ValueError,
+     r"expected the keys .*, got \['exp_avg', 'exp_avg_sq', 'master', 'momentum_buffer', "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["step", "state_dict"])
+@pytest.mark.parametrize("case", range(len(STATE_WRITES)))
+def test_a_bad_state_write_is_refused_before_any_write(case: int, where: str) -> None:
+    """A replaced entry that is not like the one it replaces (dtype, shape, device), a
+    missing or extra key: refused by the next ``step()`` or ``state_dict()``, naming the
+    entry, before any tensor is written; put right, the step runs."""
+    edit, cls, match = STATE_WRITES[case]
+    opt, _, params, ref = adamw_pair(CPU)
+    set_grads(0, params, ref)
+    opt.step()
+    good = dict(opt.state[params[1]])
+
+    def held() -> list[Any]:  # what the step writes: masters, params, the group's state
+        return [opt._masters, params, list(opt._states["0"])]
+
+    snap = snapshot(held())
+    groups = [dict(g) for g in opt.param_groups]
+    opt.state[params[0]]["exp_avg"] = torch.zeros(6, 4)  # a good write beside the bad one
+    edit(opt.state[params[1]])
+    with pytest.raises(cls, match=match):
+        opt.step() if where == "step" else opt.state_dict()
+    assert_unchanged(held(), snap)
+    assert opt.param_groups == groups
+    opt.state[params[1]] = good
+    opt.step()
+    assert not opt.state[params[0]]["exp_avg"].eq(0).all()
 
 
 # --- errors -------------------------------------------------------------------------------
