@@ -574,6 +574,7 @@ class MasterOptimizer(torch.optim.Optimizer):
                 )
             index.update({k: start + pos for pos, k in enumerate(saved["params"])})
             start += n
+            self._check_values(f"{fn}: param_groups[{i}]", i, saved)
         unknown = [k for k in saved_state if k not in index]
         if unknown:
             raise ValueError(f"{fn}: state: expected param indices {sorted(index.values())}, got "
@@ -619,6 +620,42 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._opt = None
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+    def _check_values(self, where: str, i: int, values: Mapping[str, Any]) -> None:
+        """Group ``i``'s values as loaded meet the rules the constructor applies: every
+        hyperparameter of the factory present, accepted by it, and using the state fields
+        this optimizer holds for the group (turning ``amsgrad`` on needs a state it does
+        not have). Builds nothing that stays."""
+        missing = [k for k in self._keys if k not in values]
+        if missing:
+            raise ValueError(
+                f"{where}: expected the hyperparameters {', '.join(self._keys)} (those of "
+                f"{getattr(self._factory, '__name__', 'the factory')}), got no "
+                f"{', '.join(missing)}"
+            )
+        kw = {k: values[k] for k in self._keys}
+        params = self.param_groups[i]["params"]
+        try:
+            if (
+                params
+                and _plan.is_lazy(params[0].device)
+                and not isinstance(kw["lr"], torch.Tensor)
+            ):
+                _checks.real("MasterOptimizer", "lr", kw["lr"], ge=0.0)  # as _build reads it
+            fresh = self._factory(**kw).init([None])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from e
+        held = self._states.get(str(i))
+        if held is None or type(fresh) is not type(held):  # pragma: no cover - one factory
+            return
+        used = [n for n in fresh._fields if getattr(fresh, n) is not None]
+        has = [n for n in held._fields if getattr(held, n) is not None]
+        if sorted(used) != sorted(has):
+            raise ValueError(
+                f"{where}: expected values whose state this optimizer holds "
+                f"({', '.join(sorted(has))}), got values that use {', '.join(sorted(used))}. "
+                "Build the MasterOptimizer with the saved values, then load"
+            )
 
     def _built_for_load(self, fn: str) -> None:
         try:

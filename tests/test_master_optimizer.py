@@ -9,6 +9,7 @@ the stated bound.
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 from collections.abc import Callable
@@ -417,6 +418,55 @@ def test_load_state_dict_checks_everything_before_writing() -> None:
         assert opt.param_groups[0]["lr"] == lr
     with pytest.raises(TypeError, match="'state' and 'param_groups'"):
         opt.load_state_dict({"state": {}})
+
+
+def _without(group: dict[str, Any], key: str) -> None:
+    del group[key]
+
+
+@pytest.mark.parametrize(
+    ("edit", "cls", "match"),
+    [
+        (lambda g: g.update(lr="abc"), TypeError,
+         r"load_state_dict: param_groups\[1\]: adamw: lr: expected a float >= 0, got str"),
+        (lambda g: g.update(lr=-1.0), ValueError,
+         r"load_state_dict: param_groups\[1\]: adamw: lr: expected a finite float >= 0, got -1"),
+        (lambda g: _without(g, "betas"), ValueError,
+         r"load_state_dict: param_groups\[1\]: expected the hyperparameters lr, betas, eps, "
+         r"weight_decay, amsgrad, maximize, impl, state_dtype \(those of adamw\), got no betas"),
+        (lambda g: g.update(betas=(1.5, 0.9)), ValueError, r"param_groups\[1\]: adamw: betas\[0\]"),
+        (lambda g: g.update(amsgrad=True), ValueError,
+         r"param_groups\[1\]: expected values whose state this optimizer holds \(exp_avg, "
+         r"exp_avg_sq, step\), got values that use exp_avg, exp_avg_sq, max_exp_avg_sq, step"),
+    ],
+    ids=["lr-str", "lr-negative", "no-betas", "betas", "amsgrad"],
+)  # fmt: skip
+def test_load_state_dict_checks_hyperparameters_before_writing(
+    edit: Callable[[dict[str, Any]], None], cls: type[Exception], match: str
+) -> None:
+    """The saved groups' values meet the rules the constructor applies, before anything
+    is loaded: a refused dict changes no tensor, no value and no group."""
+    params = make_params()
+    opt = mpfunc.MasterOptimizer([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    for k in range(2):
+        set_grads(k, params, fp32_copies(params))
+        opt.step()
+    sd = opt.state_dict()
+    sd = {"state": {k: {n: t.clone() + 1 for n, t in v.items()} for k, v in sd["state"].items()},
+          "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}  # fmt: skip
+    edit(sd["param_groups"][1])
+    snap = snapshot([masters(opt), params, [list(opt.state[p].values()) for p in params]])
+
+    def values() -> list[Any]:
+        return [({k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]])
+                for g in opt.param_groups]  # fmt: skip
+
+    groups = copy.deepcopy(values())
+    with pytest.raises(cls, match=match):
+        opt.load_state_dict(sd)
+    assert_unchanged([masters(opt), params, [list(opt.state[p].values()) for p in params]], snap)
+    assert values() == groups
+    opt.step()  # the optimizer still steps with its own values
 
 
 def assert_unchanged_all_state(opt: Any, params: list[Any], snap: list[Any]) -> None:
