@@ -16,6 +16,9 @@ The rules, fixed in one place:
 * Under ``torch.compile`` the same walk runs in Python, one level at a time
   through optree's own registry (``tree_flatten_one_level``): dynamo cannot trace
   optree's C++ flatten, but traces this, with the same leaf order and structure.
+* A tree nests at most ``optree.MAX_RECURSION_DEPTH`` levels (1000), counting the
+  containers mpfunc puts around it (a state's NamedTuple, a partition's dict); a deeper
+  one is a ``ValueError`` naming the limit, never a bare ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -48,17 +51,32 @@ _NONE_IS_LEAF = True
 NAMESPACE = "mpfunc"
 
 
+def _too_deep() -> ValueError:
+    """The error for a tree deeper than optree walks (its C++ walk raises RecursionError)."""
+    limit = getattr(optree, "MAX_RECURSION_DEPTH", None)
+    most = f"at most {limit} levels deep" if limit else "no deeper than optree walks"
+    return ValueError(
+        f"mpfunc: expected a tree nested {most} (optree's limit; mpfunc's own containers, "
+        "such as an optimizer state's NamedTuple or a partition, add a level or two to "
+        "yours), got a deeper one. Flatten it: a dict keyed by dotted paths "
+        "({'layers.0.weight': t, ...}) holds the same tensors one level deep"
+    )
+
+
 def map_tensors(fn: Any, tree: Any) -> Any:
     """Applies ``fn`` to every tensor leaf; other leaves (``None``) are kept."""
     if compiling():
         leaves, spec = flatten(tree)
         return unflatten(spec, [fn(t) if isinstance(t, torch.Tensor) else t for t in leaves])
-    return optree.tree_map(
-        lambda t: fn(t) if isinstance(t, torch.Tensor) else t,
-        tree,
-        none_is_leaf=_NONE_IS_LEAF,
-        namespace=NAMESPACE,
-    )
+    try:
+        return optree.tree_map(
+            lambda t: fn(t) if isinstance(t, torch.Tensor) else t,
+            tree,
+            none_is_leaf=_NONE_IS_LEAF,
+            namespace=NAMESPACE,
+        )
+    except RecursionError as e:
+        raise _too_deep() from e
 
 
 # NamedTuples that stand for ONE leaf of a master or state tree although they hold several
@@ -90,9 +108,12 @@ def flatten(tree: Any, *, units: bool = False) -> tuple[list[Any], Any]:
     if compiling():
         leaves: list[Any] = []
         return leaves, _walk(tree, is_leaf, leaves)
-    return optree.tree_flatten(
-        tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
-    )
+    try:
+        return optree.tree_flatten(
+            tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
+        )
+    except RecursionError as e:
+        raise _too_deep() from e
 
 
 def unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
@@ -206,9 +227,12 @@ def _paths(tree: Any, units: bool = False) -> list[tuple[Any, ...]]:
         out: list[tuple[Any, ...]] = []
         _spec_paths(_walk(tree, is_leaf, []), (), out)
         return out
-    accessors = optree.tree_accessors(
-        tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
-    )
+    try:
+        accessors = optree.tree_accessors(
+            tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
+        )
+    except RecursionError as e:
+        raise _too_deep() from e
     return [tuple(_entry_name(e) for e in acc) for acc in accessors]
 
 

@@ -522,3 +522,58 @@ def test_masters_to_model_bad_last_param_writes_nothing(params: dict[str, Any]) 
     _assert_raises_and_writes_nothing(
         mpfunc.masters_to_model_, masters, _big("params", params), path=f"params.{LAST}"
     )
+
+
+# --- trees deeper than optree walks -------------------------------------------------------
+
+
+def _deep(depth: int, leaf: Any) -> Any:
+    tree = leaf
+    for _ in range(depth):
+        tree = {"a": tree}
+    return tree
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a tree of any depth (a loop: the test's own walk must not recurse)."""
+    out, todo = [], [tree]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return out
+
+
+def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
+    """optree walks ``optree.MAX_RECURSION_DEPTH`` (1000) levels, and mpfunc's own
+    containers (a partition's state, a pure update's copy, a checkpoint's dict) add one or
+    two: a user tree of depth 1000 used to end in a bare ``RecursionError``. Now a
+    ``ValueError`` that names the limit and the fix, raised before anything is written."""
+    import optree
+
+    limit = optree.MAX_RECURSION_DEPTH
+    params = _deep(limit, torch.ones(3, dtype=torch.bfloat16))
+    masters = mpfunc.init_master(params)  # a tree at the limit itself is walked
+    opt = mpfunc.partition({"all": mpfunc.adamw(lr=1e-3)}, lambda path, p: "all")
+    state = opt.init(masters)
+    grads = _deep(limit, torch.ones(3))
+    snap = snapshot(_leaves([params, masters, state, grads]))
+    assert len(snap) == 6
+    match = (
+        rf"expected a tree nested at most {limit} levels deep \(optree's limit; mpfunc's own "
+        r"containers.* add a level or two to yours\), got a deeper one"
+    )
+    calls: list[Callable[[], Any]] = [
+        lambda: mpfunc.apply_update_(masters, grads, state, opt, params=params),
+        lambda: mpfunc.apply_update(masters, grads, state, mpfunc.adamw(lr=1e-3)),
+        lambda: mpfunc.state_dict({"masters": masters, "state": state}),
+        lambda: mpfunc.init_master(_deep(limit + 1, torch.ones(3))),
+    ]
+    for call_ in calls:
+        with pytest.raises(ValueError, match=match):
+            call_()
+        assert_unchanged(snap)
