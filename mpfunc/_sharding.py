@@ -182,10 +182,15 @@ def mark_sharding_(tree: Any, mesh: Any, axis: str | int, *, min_numel: int = MI
     Returns:
       ``tree``, for chaining.
 
+    The same sharding again is a no-op. A leaf not yet computed takes the new one; a leaf
+    that holds data and is already sharded otherwise is refused (torch_xla cannot move it:
+    ``torch_xla.distributed.spmd.clear_sharding`` it first).
+
     Raises:
       RuntimeError: SPMD is not on (``torch_xla.runtime.use_spmd()``).
       TypeError: a leaf is not a tensor on the XLA device, or ``mesh`` is not a Mesh.
-      ValueError: ``axis`` is not an axis of ``mesh``, or ``min_numel`` is negative.
+      ValueError: ``axis`` is not an axis of ``mesh``, ``min_numel`` is negative, or a
+        computed leaf is already sharded otherwise.
       Nothing is annotated unless every check passes.
     """
     fn = "mark_sharding_"
@@ -205,7 +210,62 @@ def mark_sharding_(tree: Any, mesh: Any, axis: str | int, *, min_numel: int = MI
         )
     import torch_xla.distributed.spmd.xla_sharding as xs
 
-    for t in leaves:
+    specs: list[Any] = [
+        None if t is None else partition_spec(t.shape, axis, size, min_numel) for t in leaves
+    ]
+    _check_resharding(fn, tree, leaves, specs, lambda t, spec: xs.mark_sharding(t, mesh, spec))
+    for t, spec in zip(leaves, specs):
         if t is not None:
-            xs.mark_sharding(t, mesh, partition_spec(t.shape, axis, size, min_numel))
+            xs.mark_sharding(t, mesh, spec)
     return tree
+
+
+# ShardingType.REPLICATED and UNKNOWN (torch_xla.distributed.spmd.ShardingType): torch_xla
+# re-annotates a tensor holding data only from these (or from no sharding at all).
+_FREE = (0, 6)
+
+
+def _holds_data(xlac: Any, t: torch.Tensor) -> bool:
+    """Whether torch_xla holds ``t`` as device data: computed, neither a pending
+    computation nor host data waiting for its transfer. Only then does it refuse a new
+    sharding. Read from torch_xla's tensor description (no value is read); a description
+    it no longer writes this way counts as not holding data (torch_xla decides)."""
+    ir = host = None
+    for line in xlac._get_xla_tensor_debug_info(t).splitlines():
+        if line.startswith("IR: "):
+            ir = line[4:]
+        elif line.startswith("Tensor on host: "):
+            host = line[16:]
+    if ir is None or host is None:
+        return False
+    return host == "None" and (ir == "None" or "xla::device_data" in ir)
+
+
+def _check_resharding(
+    fn: str, tree: Any, leaves: Sequence[Any], specs: Sequence[Any], mark: Any
+) -> None:
+    """Raises, before any leaf is annotated, for a leaf whose new sharding torch_xla would
+    refuse ("Existing annotation must be cleared first"): one that holds data and carries
+    a sharding other than the one it would get. The sharding a leaf would get is read from
+    a probe of its shape that is never computed (``mark(probe, spec)`` only records it)."""
+    xlac = _xlac()
+    got: dict[tuple[Any, ...], str] = {}
+    for i, (t, spec) in enumerate(zip(leaves, specs)):
+        if t is None or xlac._get_xla_sharding_type(t) in (None, *_FREE):
+            continue
+        if not _holds_data(xlac, t):
+            continue
+        key = (tuple(t.shape), spec)
+        if key not in got:
+            probe = torch.empty(t.shape, device=t.device)
+            mark(probe, spec)
+            got[key] = xlac._get_xla_sharding_spec(probe)
+        held = xlac._get_xla_sharding_spec(t)
+        if got[key] != held:
+            _checks.fail(
+                ValueError, fn, _tree.leaf_path(tree, i, "tree"),
+                f"a tensor without a sharding, or one sharded as this call shards it ({got[key]})",
+                f"a computed tensor already sharded as {held}",
+                "torch_xla cannot change the sharding of a tensor that holds data: leave it as "
+                "it is, or call torch_xla.distributed.spmd.clear_sharding(t) on it first",
+            )  # fmt: skip

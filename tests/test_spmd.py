@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -195,6 +196,60 @@ def test_example() -> None:
         per = [int(b) for b in held.split()]
         assert len(per) == 4 and len(set(per)) == 1, line
         assert per[0] / int(full) == 1 if mode == "dp" else 0.25 < per[0] / int(full) < 0.3
+
+
+# Run under SPMD with 4 devices: a pending tensor re-marked (torch_xla re-annotates it)
+# beside a computed one whose sharding would change (torch_xla refuses that one).
+REMARK = """
+import json, sys
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+xr.use_spmd()
+import torch_xla.distributed.spmd as xs
+import mpfunc
+spec = torch_xla._XLAC._get_xla_sharding_spec
+data = xs.Mesh(np.arange(4), (4,), ("data",))
+grid = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+d = torch_xla.device()
+host = {"a": torch.randn(64, 64), "b": torch.randn(64, 32)}
+tree = {k: t.to(d) for k, t in host.items()}
+mpfunc.mark_sharding_(tree, data, "data")
+torch_xla.sync()
+mpfunc.mark_sharding_(tree, data, "data")  # the same shardings again: nothing to do
+tree["a"].add_(1)  # pending again: torch_xla would re-annotate this one
+before = {k: spec(t) for k, t in tree.items()}
+try:
+    mpfunc.mark_sharding_(tree, grid, "model")
+    error = None
+except ValueError as e:
+    error = str(e)
+after = {k: spec(t) for k, t in tree.items()}
+mpfunc.mark_sharding_({"a": tree["a"]}, grid, "model")  # a pending tensor: still re-marked
+torch_xla.sync()
+same = torch.equal(tree["a"].cpu(), host["a"] + 1) and torch.equal(tree["b"].cpu(), host["b"])
+out = {"error": error, "before": before, "after": after, "a": spec(tree["a"]), "same": same}
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.xla
+def test_mark_sharding_says_a_computed_tensor_cannot_change_its_sharding() -> None:
+    """torch_xla refuses to change the sharding of a tensor that holds data ("Existing
+    annotation must be cleared first" and a protobuf dump). mark_sharding_ says which leaf,
+    its sharding and the one asked for, and what to do, before annotating any leaf; the
+    same sharding again is a no-op, and a pending tensor is re-annotated as before."""
+    r = json.loads(spmd_process(["-c", REMARK], 4).stdout)
+    assert r["error"] is not None, r
+    assert re.fullmatch(
+        r"mark_sharding_: at 'tree\.b': expected a tensor without a sharding, or one sharded "
+        r"as this call shards it \(\{devices=\[2,1,2\]0,2,1,3 last_tile_dim_replicate\}\), "
+        r"got a computed tensor already sharded as \{devices=\[4,1\]0,1,2,3\}\. torch_xla "
+        r"cannot change the sharding of a tensor that holds data: leave it as it is, or call "
+        r"torch_xla\.distributed\.spmd\.clear_sharding\(t\) on it first",
+        r["error"],
+    ), r["error"]
+    assert r["after"] == r["before"], "a leaf was annotated before the refusal"
+    assert r["a"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+    assert r["same"], "a value changed"
 
 
 # --- without SPMD (this process) ----------------------------------------------------------
