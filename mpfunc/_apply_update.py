@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _dtensor, _gc, _loss_scale, _plan, _sharding, _strategy, _tree
+from mpfunc import (
+    _checks,
+    _dtensor,
+    _gc,
+    _loss_scale,
+    _plan,
+    _sharding,
+    _strategy,
+    _tree,
+    _xla_watch,
+)
 from mpfunc._checks import Like
 from mpfunc._compile import compiling
 from mpfunc._diagnostics import UpdateStats
@@ -257,9 +267,11 @@ def apply_update(
     leaves = _tree.flatten(new_masters, units=True)[0]
     m = step.masters._replace(tree=new_masters, leaves=leaves)
     faces = [_strategy.face(x) for x in leaves]
+    begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
     with _sharding.kept(_sharding.tensors(new_masters, new_state)):
         # Fresh copies every call: nothing to remember for their plan.
         _run(opt.plan(step._replace(masters=m, faces=faces, memo=None), new_state, fn))
+    _xla_watch.step_ends(begun, faces)
     return new_masters, new_state
 
 
@@ -314,7 +326,10 @@ def apply_update_(
     """
     fn = "apply_update_"
     step = _check(fn, masters, grads, opt, skip, params, scale, stats)
+    # Without a torch_xla.sync() between steps, XLA graphs grow: noticed (_xla_watch).
+    begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
     # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).
     with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
         _run(opt.plan(step, state, fn))
+    _xla_watch.step_ends(begun, step.faces or [])
     return masters, state

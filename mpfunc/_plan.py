@@ -49,6 +49,7 @@ from mpfunc import (
     _strategy,
     _strategy_fp32,
     _tree,
+    _xla_watch,
 )
 from mpfunc._checks import LR, Like, LRArg, Side
 from mpfunc._compile import compiling
@@ -322,37 +323,17 @@ def _lr_on(lr: LRArg, device: torch.device, count: torch.Tensor, cache: dict[Any
         return typing.cast(torch.Tensor, cache[device])
     if callable(lr):
         # A copy, so that a schedule returning the count itself is not moved by the
-        # step's increment.
+        # step's increment. On XLA, torch_xla's transfer count around the call tells
+        # whether the schedule read the count back to the host.
+        lazy = is_lazy(device)
+        reads = _xla_watch.host_reads() if lazy else 0
         value = lr(count.detach().clone())
-        if is_lazy(device) and not (isinstance(value, torch.Tensor) and value.device == device):
-            _warn_host_schedule(lr, value)
+        if lazy:
+            _xla_watch.check_schedule(lr, value, device, _xla_watch.host_reads() != reads)
         if isinstance(value, torch.Tensor):
             return value.to(device=device, dtype=torch.float32)
         return float(value)
     return lr
-
-
-_WARNED: set[int] = set()  # ids of the schedules warned about (a reused id only stays quiet)
-
-
-def _warn_host_schedule(schedule: Any, value: object) -> None:
-    """Warns once per schedule that returns a host value for an XLA step count: it read the
-    count back (a host sync each step), or ignores it (each new value a graph constant)."""
-    if id(schedule) in _WARNED:
-        return
-    _WARNED.add(id(schedule))
-    import warnings
-
-    warnings.warn(
-        f"lr schedule {getattr(schedule, '__qualname__', type(schedule).__name__)} returned "
-        f"{_checks.describe(value)} for a step count on an XLA device: it reads the count "
-        "back to the host every step (math.*, min/max, float() or a branch on a tensor wait "
-        "for the device), or ignores it (then each new value compiles a new graph). Compute "
-        "the lr from the count with torch ops (torch.clamp, torch.cos, torch.where) so it "
-        "stays on the device, or pass a 0-d lr tensor and fill_() it.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:

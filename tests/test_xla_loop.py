@@ -5,6 +5,8 @@ read nothing back to the host."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from support.xla_model import Model, count
@@ -82,3 +84,65 @@ def test_scaled_clipped_skipping_step_is_one_stable_graph(
         m = masters[n].cpu()
         assert bool(torch.isfinite(m).all())
         assert torch.equal(p.detach().cpu(), m.to(torch.float16))
+
+
+def _leaves(xla_device: torch.device) -> dict[str, torch.Tensor]:
+    """test_xla_step.py's test_xla_agrees_with_cpu shapes (one compile per session)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"w": (3, 5), "b": (7,), "s": ()}
+    return {k: torch.randn(s, generator=gen).bfloat16().to(xla_device) for k, s in shapes.items()}
+
+
+@pytest.fixture
+def unwarned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pending-graph warning fires once per process: each test starts unwarned."""
+    from mpfunc import _xla_watch
+
+    monkeypatch.setattr(_xla_watch, "_warned", False)
+    monkeypatch.setattr(_xla_watch, "_ENDS", {})
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
+def test_a_loop_without_sync_warns_once(xla_device: torch.device, inplace: bool,
+                                        unwarned: None) -> None:  # fmt: skip
+    """No torch_xla.sync() in the loop: every step adds to one pending graph (30 such
+    steps took 123 s). The fifth step warns, once, naming the fix. Nothing is synced here,
+    so nothing compiles; the pending graph is dropped with its tensors."""
+    from mpfunc._xla_watch import PENDING_STEPS, PendingGraphWarning
+
+    params = _leaves(xla_device)
+    masters = mpfunc.init_master(params)
+    opt = mpfunc.adamw(lr=1e-2, weight_decay=0.1)
+    state = opt.init(masters)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    match = (
+        rf"apply_update_?: the masters are still the pending computation of the last "
+        rf"{PENDING_STEPS} steps: .* Call torch_xla\.sync\(\) once per step"
+    )
+    with pytest.warns(PendingGraphWarning, match=match) as record:
+        for _ in range(PENDING_STEPS + 3):
+            if inplace:
+                mpfunc.apply_update_(masters, grads, state, opt, params=params)
+            else:
+                masters, state = mpfunc.apply_update(masters, grads, state, opt)
+    assert len([w for w in record if w.category is PendingGraphWarning]) == 1
+
+
+def test_a_synced_loop_never_warns(xla_device: torch.device, unwarned: None) -> None:
+    """Synced every step, even with the masters written between the sync and the step (a
+    pending computation at the step's start, but a new one each step): no warning."""
+    import torch_xla
+
+    params = _leaves(xla_device)
+    masters = mpfunc.init_master(params)
+    opt = mpfunc.adamw(lr=1e-2, weight_decay=0.1)
+    state = opt.init(masters)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(8):
+            if k % 2:
+                with torch.no_grad():
+                    masters["w"].clamp_(-10.0, 10.0)
+            masters, state = mpfunc.apply_update(masters, mpfunc.grads_to_fp32(grads), state, opt)
+            torch_xla.sync()

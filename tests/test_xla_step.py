@@ -8,6 +8,7 @@ calls add no ``aten::`` CPU-fallback counter.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -126,3 +127,47 @@ def test_xla_agrees_with_cpu(xla_device: torch.device) -> None:
         assert err <= 1e-6 * float(m_cpu[k].abs().max()), (k, float(err))
         # Each device's params are its masters rounded, bit for bit.
         assert torch.equal(p_xla[k], m_xla[k].to(torch.bfloat16))
+
+
+def _xla_leaves(xla_device: torch.device) -> dict[str, torch.Tensor]:
+    """test_xla_agrees_with_cpu's shapes (their step graphs compile once per session)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"w": (3, 5), "b": (7,), "s": ()}
+    return {k: torch.randn(s, generator=gen).to(xla_device) for k, s in shapes.items()}
+
+
+def test_a_schedule_that_reads_the_count_back_warns_once(xla_device: torch.device) -> None:
+    """A warm-up written with Python's ``min`` returns a device tensor while the count is
+    below 10, but ``min`` compares on the host: a device read every step. It warns once,
+    saying how to write it on the device; written so, it warns nothing and reads nothing."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from mpfunc._xla_watch import HostReadWarning
+
+    def run(schedule: Callable[[torch.Tensor], object], steps: int) -> None:
+        masters = _xla_leaves(xla_device)
+        opt = mpfunc.adamw(lr=schedule, weight_decay=0.1)
+        state = opt.init(masters)
+        grads = {k: torch.ones_like(v) for k, v in masters.items()}
+        torch_xla.sync()
+        for _ in range(steps):
+            mpfunc.apply_update_(masters, grads, state, opt)
+            torch_xla.sync()
+        xm.wait_device_ops()
+
+    warmup = lambda step: 1e-3 * min(1.0, (step + 1) / 10)  # noqa: E731
+    match = (
+        r"lr schedule .*<lambda> returned torch\.float32 tensor of shape \(\) on xla:0 for a "
+        r"step count on XLA, and read the count back to the host .*min/max.*"
+        r"1e-3 \* torch\.clamp\(\(step \+ 1\) / 10, max=1\.0\)"
+    )
+    with pytest.warns(HostReadWarning, match=match) as record:
+        run(warmup, steps=3)
+    assert len([w for w in record if w.category is HostReadWarning]) == 1
+    on_device = lambda step: 1e-3 * torch.clamp((step + 1) / 10, max=1.0)  # noqa: E731
+    reads = count("TransferFromDeviceTime")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(on_device, steps=3)
+    assert count("TransferFromDeviceTime") == reads
