@@ -91,6 +91,15 @@ def _check_like(fn: str, path: str, held: Any, new: Any) -> None:
                      _checks.describe(new), _TAKE_UP_HINT)  # fmt: skip
 
 
+def _entry(state: Any, j: int, master: Any) -> dict[str, Any]:
+    """Param ``j``'s entry of ``opt.state`` (torch's format): its tensor of each field that
+    ``state`` (its group's mpfunc state) uses, and its master's."""
+    entry = {name: getattr(state, name)[j] for name in state._fields
+             if getattr(state, name) is not None}  # fmt: skip
+    entry.update(_master_entries(master))
+    return entry
+
+
 def _extend(state: Any, n: int) -> None:
     """Appends ``n`` empty (``None``) slots to every field of an elementwise state whose
     trees are flat lists: the new group's leaves belong to another label."""
@@ -310,13 +319,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             self.state.pop(p, None)
             self._linked[j] = None
             return
-        state = self._states[label]
-        entry = {
-            name: getattr(state, name)[j]
-            for name in state._fields
-            if getattr(state, name) is not None
-        }
-        entry.update(_master_entries(m))
+        entry = _entry(self._states[label], j, m)
         self.state[p] = entry
         self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
 
@@ -456,16 +459,24 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     # --- the step -------------------------------------------------------------------------
 
-    def _adopt(self, j: int) -> None:
-        """Master and state for a param that had none (frozen when added) and now has a
-        grad: made now, as torch.optim makes its state at a param's first step."""
+    def _made(self, j: int) -> tuple[Any, Any]:
+        """A master for param ``j`` (from the param) and its group's fresh state, made
+        aside: nothing of the optimizer's is written."""
         p, label = self._params[j], str(self._group_of[j])
         m = init_master([None] * j + [p], strategy=self._strategy)[j]
-        self._masters[j], self._labels[j] = m, label
-        self._versions[j] = p._version
         fresh = self._built[label][1].init(
             [m if k == j else None for k in range(len(self._params))]
         )
+        return m, fresh
+
+    def _adopt(self, j: int, made: tuple[Any, Any] | None = None) -> None:
+        """Master and state for a param that had none (frozen when added) and now has a
+        grad: made now (or ``made``, from ``_made(j)``), as torch.optim makes its state at
+        a param's first step."""
+        p, label = self._params[j], str(self._group_of[j])
+        m, fresh = self._made(j) if made is None else made
+        self._masters[j], self._labels[j] = m, label
+        self._versions[j] = p._version
         state = self._states[label]
         for name in state._fields:
             field = getattr(state, name)
@@ -579,16 +590,23 @@ class MasterOptimizer(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"{fn}: state: expected param indices {sorted(index.values())}, got "
                              f"{unknown[:5]}")  # fmt: skip
-        for k, entry in saved_state.items():  # params that gained state after a freeze
+        # Params that gained state after a freeze: their masters and states are made aside,
+        # checked with the others, and taken only once everything passed.
+        made: dict[int, tuple[Any, Any]] = {}
+        for k, entry in saved_state.items():
             j = index[k]
             if entry and self._masters[j] is None:
                 self._built_for_load(fn)
-                self._adopt(j)
+                made[j] = self._made(j)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         saved_at = {j: k for k, j in index.items()}
         for j, p in enumerate(self._params):
-            live = self.state.get(p) if self._masters[j] is not None else None
+            live: dict[str, Any] | None
+            if j in made:
+                live = _entry(made[j][1], j, made[j][0])
+            else:
+                live = self.state.get(p) if self._masters[j] is not None else None
             entry = saved_state.get(saved_at[j]) or {}
             where = f"state[{saved_at[j]}] ({self._names[j]})"
             if not live:
@@ -611,6 +629,8 @@ class MasterOptimizer(torch.optim.Optimizer):
                 if s is not t:
                     dst.append(t)
                     src.append(s.to(t.device))
+        for j, pair in made.items():
+            self._adopt(j, pair)  # the tensors of dst become its state
         _plan.copy_grouped_(dst, src)
         for group, saved in zip(self.param_groups, saved_groups):
             saved["params"] = group["params"]
