@@ -192,6 +192,7 @@ def _check_all(
                 side = _checks.Side("stats", stats, stat_leaves, units=True)
                 _checks.fail(TypeError, fn, side.path(i), "the UpdateStats of init_stats(masters)",
                              _checks.describe(st))  # fmt: skip
+        _checks.check_storage(fn, _checks.Side("stats", stats, stat_leaves, units=True))
     sides = _plan.tensor_sides(m)
     _checks.check_writable(fn, sides if model is None else [*sides, model])
     _checks.check_no_alias(fn, written=sides if model is None else [*sides, model], read=[g])

@@ -165,6 +165,10 @@ def _check_sd(fn: str, sd: object) -> dict[str, torch.Tensor]:
             f"{fn}: sd: expected a dict of str to tensors; these entries are not: "
             f"{', '.join(repr(k) for k in bad[:10])}"
         )
+    for k, v in sd.items():  # before any value is read (checksums, copies)
+        why = _checks.storage_problem(v)
+        if why is not None:
+            _checks.fail(ValueError, fn, k, *why, _checks.FREED_HINT)
     return sd
 
 
@@ -323,6 +327,9 @@ def _write_into(
             problems.append(f"{k!r} is an inference tensor, read-only outside inference mode")
         if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
             problems.append(f"{k!r} is expanded (stride 0): its elements share memory")
+        why = _checks.storage_problem(t)
+        if why is not None:
+            problems.append(f"{k!r}: expected {why[0]}, got {why[1]} (freed or shrunk)")
     # Two leaves overlapping in memory would overwrite each other: allowed only for one
     # tensor appearing twice (tied) whose two saved values are the same bits.
     direct = sorted(
@@ -1246,6 +1253,9 @@ def save(path: PathLike, tree: Any) -> None:
         why = _kind_problem(v, plain=True)
         if why is not None:
             _checks.fail(TypeError, fn, k, *why)
+        why = _checks.storage_problem(v)
+        if why is not None:
+            _checks.fail(ValueError, fn, k, *why, _checks.FREED_HINT)
     host = {k: _host_bytes(v) for k, v in sd.items()}
     host[MANIFEST_KEY] = _manifest(host)
     target = os.path.abspath(where)

@@ -29,6 +29,7 @@ from mpfunc._compile import compiling
 
 __all__ = [
     "FLOAT_DTYPES",
+    "FREED_HINT",
     "LR",
     "MASTER_DTYPES",
     "LRArg",
@@ -42,6 +43,7 @@ __all__ = [
     "check_not_differentiated",
     "check_pairs",
     "check_same_structure",
+    "check_storage",
     "check_tensor_or_none",
     "check_writable",
     "choice",
@@ -58,6 +60,7 @@ __all__ = [
     "memo_passed",
     "real",
     "recall",
+    "storage_problem",
     "tensor_leaves",
     "zero_d_bool",
 ]
@@ -369,11 +372,99 @@ def check_not_differentiated(fn: str, side: Side) -> None:
 
 
 def check_dense(fn: str, side: Side) -> None:
-    """Every leaf of ``side`` is ``None`` or a dense (strided) tensor."""
+    """Every leaf of ``side`` is ``None`` or a dense (strided) tensor whose storage holds
+    its elements (``check_storage``).
+
+    Remembered by the leaves' memo keys (below): a loop passes the same tensors at every
+    step, and reading each storage's size costs several times a key."""
+    key = _dense_key(side.leaves)
+    if key is not None and _seen(key):
+        return
     strided = torch.strided
     for leaf in side.leaves:
         if leaf is not None and not (isinstance(leaf, torch.Tensor) and leaf.layout is strided):
             _explain_leaves(fn, side)
+    check_storage(fn, side)
+    if key is not None:
+        _remember(key)
+
+
+def _storage_short(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(held, spanned)`` bytes where ``t``'s storage is too small for its elements (freed
+    with ``untyped_storage().resize_(0)``, or shrunk), else ``None``. Tensors without
+    addresses (XLA, meta), and wrappers without a storage (torch.func's), are not read."""
+    if t.numel() == 0 or _no_address(t):
+        return None
+    try:
+        held: int = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if t.is_contiguous():
+        reach = t.numel()
+    else:
+        reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    spanned = int(t.storage_offset() + reach) * t.element_size()
+    return None if held >= spanned else (held, spanned)
+
+
+FREED_HINT = (
+    "Its storage was freed (untyped_storage().resize_(0), as FSDP does between uses) or "
+    "shrunk: pass tensors whose memory is allocated"
+)
+
+
+def storage_problem(t: torch.Tensor) -> tuple[str, str] | None:
+    """``(expected, got)`` for an error where ``t``'s storage does not hold its elements,
+    else ``None`` (``check_storage``; ``FREED_HINT`` says what to do)."""
+    short = _storage_short(_dtensor.local(t))
+    if short is None:
+        return None
+    return (
+        f"a tensor whose storage holds its elements ({short[1]} bytes)",
+        f"{describe(t)} whose storage holds {short[0]} bytes",
+    )
+
+
+def check_storage(fn: str, side: Side) -> None:
+    """Every tensor of ``side`` (each tensor of a unit too) holds its elements in its
+    storage. torch's kernels and mpfunc's do not look: a tensor whose storage was freed
+    (FSDP's ``untyped_storage().resize_(0)`` between uses) would be read or written at
+    address 0 (a crash) or past its memory (another tensor's values).
+
+    A memo key (``leaf_keys``) holds each tensor's address. Freeing a storage moves its
+    data to address 0, and shrinking one copies it into a new block while the old one is
+    still held, so a remembered pass is recalled for neither. (A storage freed and then
+    reallocated smaller between two calls, at the very address it had, would be: the key
+    holds no storage size.)"""
+    if compiling():  # fake tensors: dynamo traces no storage
+        return
+    for i, t in enumerate(_dtensor.locals_(side.leaves)):
+        if t is None or isinstance(t, tuple) or t.is_xla:  # (XLA: no memory to free)
+            if isinstance(t, tuple) and not all(map(_holds, _dtensor.locals_(t))):
+                _storage_error(fn, side.path(i), t)
+            continue
+        try:  # the common case, sure and cheap: a contiguous tensor at a storage's start
+            if (
+                t.storage_offset() == 0
+                and t.untyped_storage().nbytes() >= t.nbytes
+                and t.is_contiguous()
+            ):
+                continue
+        except (RuntimeError, NotImplementedError):  # no storage (torch.func's wrappers)
+            continue
+        if _storage_short(t) is not None:
+            _storage_error(fn, side.path(i), (t,))
+
+
+def _holds(t: torch.Tensor) -> bool:
+    return _storage_short(t) is None
+
+
+def _storage_error(fn: str, path: str, tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        why = storage_problem(t)
+        if why is not None:
+            fail(ValueError, fn, path, *why, FREED_HINT)
 
 
 def _explain_leaves(fn: str, side: Side) -> NoReturn:
@@ -685,11 +776,39 @@ class Memo(NamedTuple):
         every tensor it names may be remembered (``_memoizable``)."""
         if self.key is None or not all(map(_memoizable_part, self.key[2])):  # type: ignore[index]
             return
-        with _memo_lock:
-            _memo[self.key] = None
-            _memo.move_to_end(self.key)
-            while len(_memo) > _MEMO_SIZE:
-                _memo.popitem(last=False)
+        _remember(self.key)
+
+
+def _seen(key: Hashable) -> bool:
+    """Whether checks passed on ``key`` (it becomes the newest)."""
+    with _memo_lock:
+        hit = key in _memo
+        if hit:
+            _memo.move_to_end(key)
+    return hit
+
+
+def _remember(key: Hashable) -> None:
+    """Remembers that the checks of ``key`` passed (the oldest key is forgotten)."""
+    with _memo_lock:
+        _memo[key] = None
+        _memo.move_to_end(key)
+        while len(_memo) > _MEMO_SIZE:
+            _memo.popitem(last=False)
+
+
+def _dense_key(leaves: list[Any]) -> Hashable | None:
+    """The memo key of ``check_dense`` on ``leaves`` (its outcome depends on nothing else),
+    or ``None`` where they may not be remembered, or only with keys as dear as the check
+    (a Python key: the native module is not loaded)."""
+    if not _enabled[0] or _native.key_function() is None or type(leaves) is not list:
+        return None
+    if compiling() or _func_transform_active():
+        return None
+    part = leaf_keys(leaves)
+    if part is None or not _memoizable_part(part):
+        return None
+    return ("check_dense", part)
 
 
 def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side] = ()) -> Memo:
@@ -715,11 +834,7 @@ def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side]
             key = None
     if key is None or not _enabled[0]:
         return Memo(sides, specs, None, False)
-    with _memo_lock:
-        hit = key in _memo
-        if hit:
-            _memo.move_to_end(key)
-    return Memo(sides, specs, key, hit)
+    return Memo(sides, specs, key, _seen(key))
 
 
 def clear_memo() -> None:

@@ -568,6 +568,8 @@ def _plan_elementwise(
             for n, f in fields.items()
             for t in tensor_sides(Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True))
         ]
+        for side in sides:
+            _checks.check_storage(fn, side)
         _checks.check_writable(fn, sides)
         written = tensor_sides(step.masters)
         if step.model is not None:

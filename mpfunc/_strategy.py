@@ -167,7 +167,8 @@ _MASTER_DTYPES = (torch.float32, torch.float64)
 
 def master_leaves(fn: str, name: str, tree: Any) -> tuple[_checks.Side, Any]:
     """Flattens a masters tree with each unit as one leaf, and checks every leaf: ``None``,
-    a dense float32/float64 tensor, or a unit whose tensors fit together."""
+    a dense float32/float64 tensor, or a unit whose tensors fit together; every tensor's
+    storage holds its elements."""
     leaves, spec = _tree.flatten(tree, units=True)
     side = _checks.Side(name, tree, leaves, units=True)
     strided, Tensor = torch.strided, torch.Tensor
@@ -179,6 +180,7 @@ def master_leaves(fn: str, name: str, tree: Any) -> tuple[_checks.Side, Any]:
         if type(leaf) in _BY_UNIT and unit_problem(leaf) is None:
             continue
         _explain(fn, side)
+    _checks.check_storage(fn, side)
     _checks.check_not_differentiated(fn, side._replace(leaves=[face(x) for x in leaves]))
     return side, spec
 
