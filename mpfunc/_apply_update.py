@@ -57,6 +57,8 @@ def _check(
     params: Any = None,
     scale: object = None,
     stats: Any = None,
+    *,
+    in_place: bool,
 ) -> Step:
     if not isinstance(opt, Optimizer):
         raise TypeError(
@@ -69,14 +71,29 @@ def _check(
     key, flat, entry = _recall(fn, masters, grads, params, stats)
     if entry is not None and entry.info is not None:
         divisor = _loss_scale.scale_value(fn, scale)
-        return _recalled(entry, flat, masters, grads, skip, params, divisor, stats)
-    step = _check_all(fn, masters, grads, skip, params, scale, stats)
+        return _resolved(_recalled(entry, flat, masters, grads, skip, params, divisor, stats))
+    step = _check_all(fn, masters, grads, skip, params, scale, stats, in_place)
     entry = _checks.memo_passed(key, [k for _, _, k in flat])
     if entry is None:
-        return step
+        return _resolved(step)
     kinds = step.kinds or []
     entry.info = (all(k is None for k in kinds), all(x is not None for x in step.masters.leaves))
-    return step._replace(memo=entry)
+    return _resolved(step._replace(memo=entry))
+
+
+def _resolved(step: Step) -> Step:
+    """The step with each grad that is a negative view (``torch._neg_view``, ``.imag`` of a
+    conjugated tensor: its memory holds the negated values) replaced by a copy holding its
+    values. mpfunc's native kernel reads memory as it is, torch's fused kernels refuse such
+    a grad partway through a step, and torch 2.9's ``copy_`` of an fp16 one into fp32 (the
+    mixed path's upcast) drops its sign. A memo key cannot tell a negative view from the
+    tensor it views, so this runs at every call: one attribute read per grad. A step with
+    such a grad plans in full (a remembered plan was made for the original's layout)."""
+    leaves = step.grads.leaves
+    if compiling() or not any([g is not None and g.is_neg() for g in leaves]):
+        return step
+    grads = [g.resolve_neg() if g is not None and g.is_neg() else g for g in leaves]
+    return step._replace(grads=step.grads._replace(leaves=grads), memo=None)
 
 
 def _recall(
@@ -148,6 +165,7 @@ def _check_all(
     params: Any,
     scale: object,
     stats: Any,
+    in_place: bool,
 ) -> Step:
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
     g, g_spec = _checks.tensor_leaves(fn, "grads", grads)
@@ -194,7 +212,7 @@ def _check_all(
                              _checks.describe(st))  # fmt: skip
         _checks.check_storage(fn, _checks.Side("stats", stats, stat_leaves, units=True))
     sides = _plan.tensor_sides(m)
-    _checks.check_writable(fn, sides if model is None else [*sides, model])
+    _checks.check_writable(fn, sides if model is None else [*sides, model], in_place=in_place)
     _checks.check_no_alias(fn, written=sides if model is None else [*sides, model], read=[g])
     return Step(m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor,
                 stats=stat_leaves)  # fmt: skip
@@ -256,7 +274,7 @@ def apply_update(
         share memory, or ``state`` does not belong to these masters.
     """
     fn = "apply_update"
-    step = _check(fn, masters, grads, opt, skip)
+    step = _check(fn, masters, grads, opt, skip, in_place=False)
     if not opt.functional:
         raise TypeError(
             f"{fn}: opt: {opt.name} updates its tensors in place and cannot be copied; "
@@ -326,7 +344,7 @@ def apply_update_(
         ``params`` that are not the masters' params, or a bad ``scale``.
     """
     fn = "apply_update_"
-    step = _check(fn, masters, grads, opt, skip, params, scale, stats)
+    step = _check(fn, masters, grads, opt, skip, params, scale, stats, in_place=True)
     # Without a torch_xla.sync() between steps, XLA graphs grow: noticed (_xla_watch).
     begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
     # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).

@@ -608,17 +608,45 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
-def check_writable(fn: str, sides: Sequence[Side]) -> None:
+def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> None:
     """Tensors mpfunc writes must not overlap themselves: writing an expanded (stride-0)
-    tensor element by element would store several results in one place."""
+    tensor element by element would store several results in one place.
+
+    With ``in_place`` (the caller's own tensors are written, not copies of them) each must
+    also take an in-place write: no inference tensor outside ``torch.inference_mode()``
+    (torch's kernels and mpfunc's refuse it, and a step refused at its second group would
+    have written the first), and no negative or conjugate view, whose memory holds the
+    negated values (torch's fused and foreach kernels refuse it partway, mpfunc's native
+    kernel would store the raw bits)."""
+    inference = torch.is_inference_mode_enabled()
     for side in sides:
         for i, t in enumerate(_dtensor.locals_(side.leaves)):
-            if t is not None and _overlaps_itself(t):
+            if t is None:
+                continue
+            if _overlaps_itself(t):
                 fail(
                     ValueError, fn, side.path(i),
                     "a tensor whose elements do not share memory", f"{describe(t)} with "
                     f"strides {t.stride()}", "Pass .clone() of an expanded tensor",
                 )  # fmt: skip
+            if in_place and (t.is_neg() or t.is_conj() or (t.is_inference() and not inference)):
+                _not_in_place(fn, side.path(i), t)
+
+
+def _not_in_place(fn: str, path: str, t: torch.Tensor) -> NoReturn:
+    if t.is_neg() or t.is_conj():
+        kind = "negative" if t.is_neg() else "conjugate"
+        fail(
+            ValueError, fn, path, "a tensor that can be updated in place",
+            f"a {kind} view ({describe(t)}), whose memory holds the negated values",
+            "Pass a tensor that holds its own values (.clone() of the view)",
+        )  # fmt: skip
+    fail(
+        ValueError, fn, path, "a tensor that can be updated in place",
+        f"an inference tensor outside torch.inference_mode() ({describe(t)})",
+        "Make it outside inference mode (.clone() it there), or run this call inside "
+        "torch.inference_mode()",
+    )  # fmt: skip
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -828,7 +856,8 @@ def recall(tag: Hashable, trees: Sequence[tuple[str, Any]], also: Sequence[Side]
     key: Hashable | None = None
     if all(p is not None for p in parts) and not _func_transform_active():
         try:
-            key = (tag, tuple(specs), tuple(parts))
+            # Inside torch.inference_mode() inference tensors may be written: other checks.
+            key = ((tag, torch.is_inference_mode_enabled()), tuple(specs), tuple(parts))
             hash(key)
         except TypeError:
             key = None
@@ -958,7 +987,8 @@ def memo_entry(tag: Hashable, keys: tuple[Any, ...]) -> tuple[Hashable | None, M
     ``torch.func`` transform running: its wrappers answer these attributes differently)."""
     if not _enabled[0] or _func_transform_active():
         return None, None
-    key = (tag, keys)
+    # Inside torch.inference_mode() inference tensors may be written: other checks.
+    key = (tag, torch.is_inference_mode_enabled(), keys)
     try:
         with _memo_lock:  # oldest first out: a hit does not move (no second hash)
             entry = _entries.get(key)

@@ -227,7 +227,9 @@ def _native_cast_(
     """On the CPU, casts the pairs that share one dense layout with mpfunc's native kernel
     (one parallel pass with streaming stores, bit for bit ``Tensor.to``) where the dtypes
     and sizes make it worth it and it builds; returns the pairs left to ``_foreach_copy_``."""
-    fits = [_same_layout([d, s]) for d, s in zip(dst, src)]
+    # A negative view (torch._neg_view) holds the negated values: the kernel reads memory
+    # as it is, torch's copy_ reads the values.
+    fits = [_same_layout([d, s]) and not s.is_neg() for d, s in zip(dst, src)]
     numel = sum(d.numel() for d, ok in zip(dst, fits) if ok)
     if not _native.casts(to, of, numel) or not _native.cast_agrees(to, of):
         return dst, src
