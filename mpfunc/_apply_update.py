@@ -184,6 +184,7 @@ def _check_all(
                 TypeError, fn, g.path(i), f"a grad no wider than its {width * 8}-bit master",
                 _checks.describe(x), "Cast grads to the master's dtype",
             )  # fmt: skip
+    _check_some_grad(fn, m, g)
     model = None
     if params is not None:
         p, p_spec = _checks.tensor_leaves(fn, "params", params)
@@ -216,6 +217,22 @@ def _check_all(
     _checks.check_no_alias(fn, written=sides if model is None else [*sides, model], read=[g])
     return Step(m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor,
                 stats=stat_leaves)  # fmt: skip
+
+
+def _check_some_grad(fn: str, masters: _checks.Side, grads: _checks.Side) -> None:
+    """At least one master has a grad. A ``None`` grad skips its leaf (a param that took no
+    gradient this step), but ``None`` everywhere trains nothing and counts no step: a
+    mistake, never a step."""
+    have = [g is not None for m, g in zip(masters.leaves, grads.leaves) if m is not None]
+    if have and not any(have):
+        raise ValueError(
+            f"{fn}: grads: expected a grad for at least one master, got None for every master "
+            f"({len(have)}), so nothing would be trained and no step counted. Was "
+            f"loss.backward() called before the step (and zero_grad(set_to_none=True) not "
+            f"after it)? Were the params taken from model.state_dict()? Its tensors are "
+            f"detached copies whose .grad stays None: use dict(model.named_parameters()) "
+            f"for init_master and each param's .grad for the grads"
+        )
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -251,8 +268,9 @@ def apply_update(
 ) -> tuple[Any, Any]:
     """One optimizer step, returning new masters and state; the inputs are not modified.
 
-    Leaves whose grad is ``None`` keep their values (torch.optim skips them too). The
-    transforms are not differentiable: results are detached.
+    Leaves whose grad is ``None`` keep their values (torch.optim skips them too); a grad
+    that is a negative view is read by its values. The transforms are not
+    differentiable: results are detached.
 
     Args:
       masters: the fp32 master tree.
@@ -271,7 +289,9 @@ def apply_update(
         leaf is not a dense tensor or ``None``, a grad's dtype is not its master's, or
         ``skip`` is not a 0-d bool tensor.
       ValueError: the trees differ in structure, a shape or device differs, two leaves
-        share memory, or ``state`` does not belong to these masters.
+        share memory, a tensor's storage was freed, ``state`` does not belong to these
+        masters, or every grad is ``None`` (nothing would be trained: a forgotten
+        ``backward``, or grads read from ``model.state_dict()``'s detached tensors).
     """
     fn = "apply_update"
     step = _check(fn, masters, grads, opt, skip, in_place=False)
@@ -341,7 +361,9 @@ def apply_update_(
 
     Raises:
       TypeError, ValueError: as ``apply_update``; also a grad wider than its master,
-        ``params`` that are not the masters' params, or a bad ``scale``.
+        ``params`` that are not the masters' params, a bad ``scale``, or a tensor to
+        write that cannot be written in place (an inference tensor outside
+        ``torch.inference_mode()``, a negative or conjugate view).
     """
     fn = "apply_update_"
     step = _check(fn, masters, grads, opt, skip, params, scale, stats, in_place=True)

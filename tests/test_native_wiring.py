@@ -114,6 +114,10 @@ def _tree(draw: st.DrawFn, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
         how = draw(st.sampled_from([k for k, ok in fits.items() if ok]))
         m, g = _leaf(shape, how, seed + i)
         masters[f"w{i}"], grads[f"w{i}"] = m, g if draw(st.integers(0, 7)) else None
+        if i == 0:
+            first = g
+    if all(g is None for g in grads.values()):  # a step with no grad at all is an error
+        grads["w0"] = first
     return masters, grads
 
 

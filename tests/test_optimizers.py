@@ -124,6 +124,8 @@ def check_matches_torch(
         # Non-floating leaves take no grad; leaf `drop[k]` takes none this step.
         flat = leaves(grads)
         gl = [g if is_float(g) and i != drop[k % len(drop)] else None for i, g in enumerate(flat)]
+        if all(g is None for g in gl):  # a step with no grad at all is an error: keep them
+            gl = [g if is_float(g) else None for g in flat]
         grads = _rebuild(grads, gl)
         g32 = mpfunc.grads_to_fp32(grads)
         snap = snapshot((masters, g32, state))
