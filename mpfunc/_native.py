@@ -26,7 +26,8 @@ The C++ source is compiled on first use (``available()``) with
 most of it torch's headers) and cached in ``$TORCH_EXTENSIONS_DIR`` if set, else
 ``$MPFUNC_HOME/native`` (default ``~/.cache/mpfunc/native``), one folder per hash of the
 source, the torch and Python versions, the compiler and its flags: a new torch, source or
-CPU capability builds once more, and concurrent first builds wait on torch's lock. Where
+CPU capability builds once more, a cached library that does not import (cut short by a
+full disk or a killed link) is built again, and concurrent builds wait on torch's lock. Where
 it cannot be built or loaded, mpfunc uses torch's kernels instead and warns once per
 process (``NativeFallbackWarning``); ``MPFUNC_NATIVE=0`` turns it off without a warning.
 ``python -m mpfunc._native`` builds it ahead of time and prints where and how long.
@@ -39,6 +40,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -208,12 +210,18 @@ def _build(name: str, cflags: list[str]) -> ModuleType:
         # The folder's name is a hash of everything the build depends on, so a library
         # there is this build: import it directly, without torch's ninja freshness check
         # (seconds per process; every torchrun worker would pay it).
-        module = _import_built(name, build_dir / f"{name}.so")
+        library = build_dir / f"{name}.so"
+        module = _import_built(name, library) if _whole(library) else None
         if module is not None:
             seconds = time.perf_counter() - start
             _info.update(name=name, path=module.__file__, cflags=cflags, cached=True,
                          load_s=seconds, build_s=None)  # fmt: skip
             return module
+        # It does not import (cut short by a full disk or a killed link, overwritten):
+        # torch's ninja check would find it up to date and import it again, failing in
+        # every process. Build it again.
+        _discard(build_dir, name)
+        cached = False
     # torch's build warns about compilers it did not test (UserWarning); those are not
     # the caller's warnings, and under ``-W error`` they would abort a working build.
     with warnings.catch_warnings(record=True) as caught:
@@ -245,7 +253,8 @@ def _build(name: str, cflags: list[str]) -> ModuleType:
 
 
 def _import_built(name: str, path: Path) -> Optional[ModuleType]:
-    """Imports an already built extension, or returns None (then torch's load rebuilds)."""
+    """Imports an already built extension, or returns None where it does not import
+    (then ``_build`` builds it again)."""
     import importlib.machinery
     import importlib.util
 
@@ -256,10 +265,59 @@ def _import_built(name: str, path: Path) -> Optional[ModuleType]:
             return None
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
-    except (ImportError, OSError):
+    except (ImportError, OSError) as e:
+        _log.warning("mpfunc: the cached native CPU kernel %s does not import (%s); "
+                     "building it again", path, e)  # fmt: skip
         return None
     sys.modules[name] = module
     return module
+
+
+def _whole(path: Path) -> bool:
+    """Whether a built library is as long as its ELF header says (its section headers come
+    last). One cut short (a full disk, a killed link) is not imported: mapping it would
+    kill the process (SIGBUS) instead of failing the import."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        size = path.stat().st_size
+    except OSError:
+        return False
+    wide = head[4:5] == b"\x02"  # ELF64: 8-byte offsets
+    if (
+        head[:4] != b"\x7fELF"
+        or head[4:5] not in (b"\x01", b"\x02")
+        or len(head) < (64 if wide else 52)
+    ):
+        _log.warning("mpfunc: the cached native CPU kernel %s is not a library; building it "
+                     "again", path)  # fmt: skip
+        return False
+    order = "<" if head[5] == 1 else ">"
+    (table,) = struct.unpack_from(order + ("Q" if wide else "I"), head, 0x28 if wide else 0x20)
+    entry, count = struct.unpack_from(order + "HH", head, 0x3A if wide else 0x2E)
+    if size >= table + entry * count:
+        return True
+    _log.warning("mpfunc: the cached native CPU kernel %s is cut short (%d of %d bytes); "
+                 "building it again", path, size, table + entry * count)  # fmt: skip
+    return False
+
+
+def _discard(build_dir: Path, name: str) -> None:
+    """Removes a built library that does not import and the object files it was linked
+    from (damaged alike, perhaps), so that torch's build makes both again. Under torch's
+    own build lock: where another process holds it, that process is building this folder
+    now; its library is waited for and kept."""
+    from torch.utils.file_baton import FileBaton
+
+    baton = FileBaton(str(build_dir / "lock"))  # type: ignore[no-untyped-call]
+    if not baton.try_acquire():  # type: ignore[no-untyped-call]
+        baton.wait()  # type: ignore[no-untyped-call]
+        return
+    try:
+        for f in (build_dir / f"{name}.so", *build_dir.glob("*.o")):
+            f.unlink(missing_ok=True)
+    finally:
+        baton.release()  # type: ignore[no-untyped-call]
 
 
 def load() -> ModuleType:
