@@ -616,8 +616,8 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
     also take an in-place write: no inference tensor outside ``torch.inference_mode()``
     (torch's kernels and mpfunc's refuse it, and a step refused at its second group would
     have written the first), and no negative or conjugate view, whose memory holds the
-    negated values (torch's fused and foreach kernels refuse it partway, mpfunc's native
-    kernel would store the raw bits)."""
+    negated (conjugated) values: torch's fused and foreach kernels refuse it partway,
+    mpfunc's native kernel would store the raw bits."""
     inference = torch.is_inference_mode_enabled()
     for side in sides:
         for i, t in enumerate(_dtensor.locals_(side.leaves)):
@@ -635,10 +635,10 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
 
 def _not_in_place(fn: str, path: str, t: torch.Tensor) -> NoReturn:
     if t.is_neg() or t.is_conj():
-        kind = "negative" if t.is_neg() else "conjugate"
+        kind, held = ("negative", "negated") if t.is_neg() else ("conjugate", "conjugated")
         fail(
             ValueError, fn, path, "a tensor that can be updated in place",
-            f"a {kind} view ({describe(t)}), whose memory holds the negated values",
+            f"a {kind} view ({describe(t)}), whose memory holds the {held} values",
             "Pass a tensor that holds its own values (.clone() of the view)",
         )  # fmt: skip
     fail(
