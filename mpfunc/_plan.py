@@ -484,10 +484,41 @@ def _upcast(g: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return out.copy_(g)
 
 
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def refresh_from_params_(
+    masters: Sequence[torch.Tensor], params: Sequence[torch.Tensor], skip: torch.Tensor | None
+) -> None:
+    """The param is the truth: each "fp32" master whose param no longer equals the master
+    rounded to the param's dtype (written behind the step's back: ``p.data.fill_(7)``,
+    ``p.data = t``, weight surgery, an EMA swap) takes the param's value, elementwise, on
+    the device. A skipped step keeps every master's bits (the next step refreshes). The
+    native and XLA kernels do the same inside their single pass."""
+    for m, p in zip(masters, params):
+        r = m.to(p.dtype)
+        # Compared as bits, not values: a compiler that keeps ``r`` in fp32 (inductor's
+        # default, which elides a downcast followed by an upcast) would see every master
+        # differ from its param and overwrite it with the param's rounding. A bitcast
+        # needs the rounded bits. (Not on XLA, which rounds every convert, and where
+        # torch_xla 2.9 runs ``view(dtype)`` on the host.) Both NaN counts as the same.
+        if is_lazy(p.device):
+            same = r == p
+        else:
+            ints = _INT_OF_SIZE[p.element_size()]
+            same = r.view(ints) == p.view(ints)
+        same = same | (r.isnan() & p.isnan())
+        if skip is not None:
+            same = same | skip
+        m.copy_(torch.where(same, m, p.to(m.dtype)))
+
+
 def _run_mixed(mx: Mixed, hyper: Any) -> None:
     """Load fp32 values (masters, grads upcast and unscaled, moments), run the kernel on
     them, store them back (strategy, state format, rounded params), in one chunk."""
     values = mx.strategy.load(mx.masters)
+    if mx.strategy.unit is None and mx.model is not None:
+        refresh_from_params_(values, mx.model, mx.skip)
     grads = [
         g if g.dtype == mx.compute else _upcast(g, v, mx.compute) for g, v in zip(mx.grads, values)
     ]

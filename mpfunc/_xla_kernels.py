@@ -373,6 +373,17 @@ class _B:
             return []
         return [self.keep(skip, old, self.to(p, torch.float32, low))]
 
+    def refresh(self, p: Any, old: Any, low: Optional[torch.dtype]) -> Any:
+        """The master the step starts from: the model param's value where the param no
+        longer equals the master rounded to its dtype (written behind the step's back),
+        else the master, as ``_plan.refresh_from_params_``. Compared in the param's dtype."""
+        if low is None:
+            return p
+        r = self.to(p, torch.float32, low)
+        # Equal, or both NaN (the master keeps its own NaN's bits): x != x is NaN.
+        same = (r == old) | ((r != r) & (old != old))
+        return same.select(p, self.to(old, low, torch.float32))
+
     def grad_params(self, group: _Leaves) -> list[Any]:
         """The grads' parameters (after the state), widened to fp32 inside."""
         return [
@@ -463,12 +474,13 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
-        p1 = p
+        q = b.refresh(p, old_low, low)
+        p1 = q
         if h.weight_decay != 0:
             if h.decoupled:
-                p1 = p * decay
+                p1 = q * decay
             else:
-                g = g + p * wd
+                g = g + q * wd
         m1 = b.keep(skip, m, m + w1 * (g - m))
         v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
         vm1 = None if vm is None else b.keep(skip, vm, vm.max(v1))
@@ -513,15 +525,16 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     for (p, g, buf, s), low, old_low in zip(ins, lows, L):
         if h.maximize:
             g = -g
+        q = b.refresh(p, old_low, low)
         if h.weight_decay != 0:
-            g = g + p * wd
+            g = g + q * wd
         buf1 = None
         if buf is not None:
             # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
             coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
             buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
             g = g + buf1 * mom if h.nesterov else buf1
-        p1 = b.keep(skip, p, p - g * lr)
+        p1 = b.keep(skip, p, q - g * lr)
         s1 = b.keep(skip, s, s + one)
         new = [p1] + ([buf1] if buf1 is not None else []) + [s1]
         outs.extend(new + b.round_out(skip, old_low, p1, low))
@@ -562,7 +575,8 @@ def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
-        p1 = p * decay if h.weight_decay != 0 else p
+        q = b.refresh(p, old_low, low)
+        p1 = q * decay if h.weight_decay != 0 else q
         c = m + w1 * (g - m)
         direction = b.sign(c)
         p2 = b.keep(skip, p, p1 - direction * lr)

@@ -195,6 +195,13 @@ MPF_INLINE void scalar_element(std::int64_t i, float* __restrict__ P,
   // maximize: a sign flip, as torch's tail negates.
   g = float_of(bits_of(g) ^ h.negate);
   float p = P[i];
+  if constexpr (!std::is_void_v<typename O::T>) {
+    // The param is the truth: one written behind the optimizer's back (p.data.fill_)
+    // no longer equals its master's rounding, and the step starts from its value.
+    const float q = O::load(R[i]);
+    const float r = O::load(O::store(p));
+    if (r != q && !(std::isnan(r) && std::isnan(q))) p = q;
+  }
   if (h.l2) g = tail_fma(p, h.wd, g);
   p = p * h.decay;
   float m = M[i];
@@ -327,6 +334,24 @@ struct VHyper {
         bc2_sqrt(c.bc2_sqrt) {}
 };
 
+// The master a step starts from, where params are written: the param's own value where
+// it no longer equals the master rounded to its dtype (written behind the optimizer's
+// back, e.g. p.data.fill_ or p.data = t), else the master. Costs one read of the param.
+template <class O, bool kFull>
+MPF_INLINE void refresh(const void* out, std::int64_t count, fVec& p0, fVec& p1) {
+  fVec q0, q1;
+  load2<O, kFull>(out, count, q0, q1);
+  fVec r0 = p0, r1 = p1;
+  if constexpr (!std::is_same_v<O, F32>) {
+    using T = typename VecOf<O>::T;
+    std::tie(r0, r1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(p0, p1));
+  }
+  // Differ: unequal (a NaN compares unequal), unless both are NaN (then the master
+  // keeps its own NaN's bits). x ^ (both NaN) clears exactly that case.
+  p0 = fVec::blendv(p0, q0, (r0 != q0) ^ ((r0 != r0) & (q0 != q0)));
+  p1 = fVec::blendv(p1, q1, (r1 != q1) ^ ((r1 != r1) & (q1 != q1)));
+}
+
 // torch's vector loop on one float vector of every stream; returns the new master.
 template <bool kAmsgrad>
 MPF_INLINE fVec vector_math(fVec g, fVec p, fVec& m, fVec& v, fVec& vm, const Hyper& h,
@@ -356,6 +381,9 @@ MPF_INLINE void vector_block(const Leaf& L, std::int64_t i, std::int64_t count, 
   load2<F32, kFull>(L.exp_avg + i, count, m0, m1);
   load2<F32, kFull>(L.exp_avg_sq + i, count, v0, v1);
   if constexpr (kAmsgrad) load2<F32, kFull>(L.max_exp_avg_sq + i, count, vm0, vm1);
+  if constexpr (!std::is_void_v<typename O::T>) {
+    refresh<O, kFull>(static_cast<const typename O::T*>(L.out) + i, count, p0, p1);
+  }
   p0 = vector_math<kAmsgrad>(g0, p0, m0, v0, vm0, h, k);
   p1 = vector_math<kAmsgrad>(g1, p1, m1, v1, vm1, h, k);
   store2<F32, kFull>(L.master + i, count, p0, p1);
@@ -745,7 +773,8 @@ void adam_mixed_(const std::vector<at::Tensor>& masters, const std::vector<at::T
             at::Tensor(),
             at::Tensor()};
     if (amsgrad) s.max_exp_avg_sq = max_exp_avg_sqs[i].contiguous();
-    if (has_out) s.out = at::empty_like(s.master, params_out[i].options());
+    // (read too: a param that no longer equals its master's rounding refreshes it)
+    if (has_out) s.out = params_out[i].contiguous();
     stages.push_back(std::move(s));
   }
 
