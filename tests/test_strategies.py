@@ -695,3 +695,16 @@ def test_lossless_bf16_checkpoint_from_xla(xla_device: torch.device) -> None:
         _assert_same_bits(rebuilt, mpfunc.masters_state_dict(m), f"rebuilt on {device}")
         out[device.type] = rebuilt
     _assert_same_bits(out["cpu"], out["xla"], "cpu vs xla")
+
+
+@settings(max_examples=300)
+@given(seed=st.integers(-(2**63), 2**63 - 1), index=st.integers(0, 2**40))
+def test_leaf_keys_hash_as_the_tensor_mix_does(seed: int, index: int) -> None:
+    """``_rng.key_for`` hashes in Python integers; the same bits as ``_rng._mix`` on int32
+    tensors (the form the draws use on every device)."""
+    from mpfunc import _rng
+
+    h = torch.tensor(_rng._wrap(seed * 0x9E3779B1 + index), dtype=torch.int32)
+    want = _rng._mix(_rng._mix(h).bitwise_xor_(_rng._wrap(index)))
+    got = _rng.key_for(seed, index, "cpu")
+    assert got.dtype == torch.int32 and got.shape == () and int(got) == int(want)
