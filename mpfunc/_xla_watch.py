@@ -11,7 +11,7 @@ own bookkeeping, without reading a tensor's value, and warned about once with it
 * a loop without ``torch_xla.sync()``: every step appends its computation to one pending
   graph, which each host read (``loss.item()``) compiles and runs whole. Noticed when a
   step finds its first written master still the very pending computation that the
-  previous step left: nothing ran it in between (``step_begins``, ``step_ends``).
+  previous step left, with no sync in between (``step_begins``, ``step_ends``).
 
 Off the XLA device each entry point returns after one device-type test.
 """
@@ -103,10 +103,13 @@ def check_schedule(schedule: Any, value: object, device: torch.device, read: boo
 # --- pending graphs -----------------------------------------------------------------------
 
 # torch_xla's id of each pending computation a step left in a master (its IR node and
-# output index) -> the steps chained in it so far. A few chains at a time (one per
-# optimizer in a loop); ids of chains that were run are never met again and age out.
+# output index) -> the steps chained in it so far; a few chains at a time (one per
+# optimizer in a loop). An id is a node's address, which a later node may reuse once this
+# one is freed (once it ran): every sync (torch_xla's MarkStep count moved) runs every
+# pending computation, so the ids noted before it are dropped.
 _ENDS: dict[str, int] = {}
 _KEEP = 16
+_marks: Any = None  # torch_xla's MarkStep count when _ENDS was last written
 _warned = False
 
 
@@ -120,8 +123,10 @@ def step_begins(fn: str, faces: Sequence[Any], grads: Sequence[Any]) -> tuple[in
              None)  # fmt: skip
     if i is None or faces[i].device.type != "xla" or compiling():
         return None
-    f = faces[i]
-    uid = _xlac()._unique_id_for_ir_and_data(f)
+    xlac = _xlac()
+    if xlac._xla_counter_value("MarkStep") != _marks:
+        _ENDS.clear()  # synced since: nothing is pending from before
+    uid = xlac._unique_id_for_ir_and_data(faces[i])
     run = _ENDS.pop(uid, 0)
     if run >= PENDING_STEPS and not _warned:
         _warned = True
@@ -141,12 +146,15 @@ def step_begins(fn: str, faces: Sequence[Any], grads: Sequence[Any]) -> tuple[in
 def step_ends(begun: tuple[int, str, int] | None, faces: Sequence[Any]) -> None:
     """At a step's end: records the pending computation the step left in the master
     ``step_begins`` noted (in ``faces``, the masters after the step)."""
+    global _marks
     if begun is None:
         return
     i, uid, run = begun
-    now = _xlac()._unique_id_for_ir_and_data(faces[i])
+    xlac = _xlac()
+    now = xlac._unique_id_for_ir_and_data(faces[i])
     if now == uid:
         return  # not written (a kernel that skips it): no chain to follow
     _ENDS[now] = run + 1
+    _marks = xlac._xla_counter_value("MarkStep")
     while len(_ENDS) > _KEEP:
         del _ENDS[next(iter(_ENDS))]
