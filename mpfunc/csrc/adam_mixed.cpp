@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -1259,8 +1260,235 @@ void store_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t b
 }
 
 // Elements [begin, end) of one leaf, tile by tile.
-void run_item(Strategy s, Format f, bool amsgrad, RangeFn math, const CLeaf& L,
+// ---- the fused vector path -----------------------------------------------------------------
+// For the 16- and 32-bit state formats, the strategy's load/store and the format's
+// widen/narrow compose per block of kBlock elements, around the same vector_math the
+// tiles run: every stream is read and written once, in registers, with no scratch pass.
+// Each piece is the tile path's own operation on one block (the same ATen conversions,
+// the same integer formulas), so the bits are the same; elements past the leaf's last
+// whole block (torch's 8-wide and scalar loops) go through the tiles.
+
+// Strategy pieces: load(L, i, p0, p1) and store(L, i, p0, p1) for elements [i, i + kBlock).
+template <class X>
+struct SNearest {  // "none": the param itself, rounded to nearest
+  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+    load2<X, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
+  }
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+    store2<X, true>(static_cast<u16*>(L.prim) + i, kBlock, p0, p1);
+  }
+};
+
+template <class X>
+struct SKahan {  // param + compensation; store_kahan's block
+  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+    fVec c0, c1;
+    load2<X, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
+    load2<X, true>(static_cast<const u16*>(L.aux) + i, kBlock, c0, c1);
+    p0 = p0 + c0;
+    p1 = p1 + c1;
+  }
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& x0, const fVec& x1) {
+    using T = typename VecOf<X>::T;
+    const auto p = at::vec::convert_from_float<T>(x0, x1);
+    fVec r0, r1;
+    std::tie(r0, r1) = at::vec::convert_to_float<T>(p);
+    p.store(static_cast<u16*>(L.prim) + i);
+    store2<X, true>(static_cast<u16*>(L.aux) + i, kBlock, x0 - r0, x1 - r1);
+  }
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kFusedBits = true;
+using iVec = __m512i;  // 16 lanes of 32 bits: half a block
+MPF_INLINE iVec i32(std::uint32_t v) { return _mm512_set1_epi32(std::int32_t(v)); }
+MPF_INLINE iVec widen16(const u16* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+MPF_INLINE void narrow16(iVec x, u16* p) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+}
+
+// join() on 16 lanes.
+MPF_INLINE fVec join16(const u16* P, const u16* R) {
+  const iVec p = widen16(P), low = widen16(R);
+  const iVec mag = _mm512_and_si512(p, i32(0x7FFFu));
+  const __mmask16 finite = _mm512_cmple_epu32_mask(mag, i32(kInfHigh));
+  iVec high = _mm512_mask_sub_epi32(mag, finite, mag, _mm512_srli_epi32(low, 15));
+  high = _mm512_mask_mov_epi32(high, _mm512_cmplt_epi32_mask(high, _mm512_setzero_si512()),
+                               i32(kInfHigh));
+  const iVec sign = _mm512_slli_epi32(_mm512_and_si512(p, i32(0x8000u)), 16);
+  const iVec bits =
+      _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi32(high, 16), low), sign);
+  return fVec(_mm512_castsi512_ps(bits));
+}
+
+// split() on 16 lanes.
+MPF_INLINE void split16(const fVec& x, u16* P, u16* R) {
+  const iVec b = _mm512_castps_si512(__m512(x));
+  const iVec g = _mm512_srli_epi32(_mm512_and_si512(b, i32(0x7FFFFFFFu)), 15);
+  const iVec up = _mm512_maskz_and_epi32(_mm512_cmplt_epu32_mask(g, i32(kGTrunc)), g, i32(1));
+  const iVec mag = _mm512_maskz_add_epi32(_mm512_cmpneq_epu32_mask(g, i32(kGZero)),
+                                          _mm512_srli_epi32(g, 1), up);
+  const iVec p = _mm512_or_si512(mag, _mm512_and_si512(_mm512_srli_epi32(b, 16), i32(0x8000u)));
+  narrow16(p, P);
+  narrow16(_mm512_and_si512(b, i32(0xFFFFu)), R);
+}
+
+// fmix() and draw() on 16 lanes of element indices.
+MPF_INLINE iVec fmix16(iVec x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, i32(0x85EBCA6Bu));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, i32(0xC2B2AE35u));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+MPF_INLINE iVec draw16(u32 key, u32 first) {
+  const iVec idx = _mm512_add_epi32(
+      i32(first), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const iVec k = i32(key);
+  return fmix16(_mm512_xor_si512(fmix16(_mm512_add_epi32(_mm512_mullo_epi32(idx, i32(kGolden)), k)), k));
+}
+
+// The "stochastic" store on 16 lanes: 16 random bits added below the bf16 cut, truncated;
+// NaN rounds as BF16::store rounds it.
+MPF_INLINE void round16(const fVec& x, u32 key, u32 first, u16* P) {
+  const iVec b = _mm512_castps_si512(__m512(x));
+  const iVec t = _mm512_srli_epi32(
+      _mm512_add_epi32(b, _mm512_and_si512(draw16(key, first), i32(0xFFFFu))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(__m512(x), __m512(x), _CMP_UNORD_Q);
+  narrow16(_mm512_mask_mov_epi32(t, nan, i32(BF16::kNaN)), P);
+}
+
+struct SRemainder {  // bf16 params only
+  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+    const auto* P = static_cast<const u16*>(L.prim) + i;
+    const auto* R = static_cast<const u16*>(L.aux) + i;
+    p0 = join16(P, R);
+    p1 = join16(P + kW, R + kW);
+  }
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+    auto* P = static_cast<u16*>(L.prim) + i;
+    auto* R = static_cast<u16*>(L.aux) + i;
+    split16(p0, P, R);
+    split16(p1, P + kW, R + kW);
+  }
+};
+
+struct SStochastic {  // bf16 params only
+  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+    load2<BF16, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
+  }
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+    auto* P = static_cast<u16*>(L.prim) + i;
+    round16(p0, L.key, u32(i), P);
+    round16(p1, L.key, u32(i + kW), P + kW);
+  }
+};
+#else
+constexpr bool kFusedBits = false;
+#endif
+
+// State format pieces: moment k of elements [i, i + kBlock).
+struct FF32 {
+  static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
+    load2<F32, true>(static_cast<const float*>(L.data[k]) + i, kBlock, a, b);
+  }
+  static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
+                               const fVec& b) {
+    store2<F32, true>(static_cast<float*>(L.data[k]) + i, kBlock, a, b);
+  }
+};
+struct FBF16 {
+  static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
+    load2<BF16, true>(static_cast<const u16*>(L.data[k]) + i, kBlock, a, b);
+  }
+  static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
+                               const fVec& b) {
+    store2<BF16, true>(static_cast<u16*>(L.data[k]) + i, kBlock, a, b);
+  }
+};
+
+// Whole blocks of [begin, end) inside the leaf's vector loop; returns where it stopped.
+template <class S, class FS, class G, bool kAmsgrad>
+std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, const Hyper& h) {
+  const VHyper k(h, L.coef);
+  const std::int64_t n = L.numel;
+  const std::int64_t vec_end = std::min(end, n - n % kW);
+  const auto* Gr = static_cast<const typename G::T*>(L.grad);
+  std::int64_t i = begin;
+  for (; i + kBlock <= vec_end; i += kBlock) {
+    fVec g0, g1, p0, p1, m0, m1, v0, v1, vm0, vm1;
+    load2<G, true>(Gr + i, kBlock, g0, g1);
+    S::load(L, i, p0, p1);
+    FS::load(L, 0, i, m0, m1);
+    FS::load(L, 1, i, v0, v1);
+    if constexpr (kAmsgrad) FS::load(L, 2, i, vm0, vm1);
+    p0 = vector_math<kAmsgrad>(g0, p0, m0, v0, vm0, h, k);
+    p1 = vector_math<kAmsgrad>(g1, p1, m1, v1, vm1, h, k);
+    FS::store(L, 0, i, m0, m1);
+    FS::store(L, 1, i, v0, v1);
+    if constexpr (kAmsgrad) FS::store(L, 2, i, vm0, vm1);
+    S::store(L, i, p0, p1);
+  }
+  return i;
+}
+
+using FusedFn = std::int64_t (*)(const CLeaf&, std::int64_t, std::int64_t, const Hyper&);
+
+template <class S, class FS, class G>
+FusedFn fused_ams(bool amsgrad) {
+  return amsgrad ? &run_fused<S, FS, G, true> : &run_fused<S, FS, G, false>;
+}
+
+template <class S, class FS>
+FusedFn fused_grad(c10::ScalarType grad, bool amsgrad) {
+  switch (grad) {
+    case c10::ScalarType::BFloat16:
+      return fused_ams<S, FS, BF16>(amsgrad);
+    case c10::ScalarType::Half:
+      return fused_ams<S, FS, F16>(amsgrad);
+    default:
+      return fused_ams<S, FS, F32>(amsgrad);
+  }
+}
+
+template <class S>
+FusedFn fused_format(Format f, c10::ScalarType grad, bool amsgrad) {
+  switch (f) {
+    case kF32:
+      return fused_grad<S, FF32>(grad, amsgrad);
+    case kBF16:
+      return fused_grad<S, FBF16>(grad, amsgrad);
+    default:
+      return nullptr;
+  }
+}
+
+// The fused path of a (strategy, format, grad dtype, param dtype), or null (tiles only).
+FusedFn pick_fused(Strategy s, Format f, c10::ScalarType grad, bool half, bool amsgrad) {
+  switch (s) {
+    case kNone:
+      return half ? fused_format<SNearest<F16>>(f, grad, amsgrad)
+                  : fused_format<SNearest<BF16>>(f, grad, amsgrad);
+    case kKahan:
+      return half ? fused_format<SKahan<F16>>(f, grad, amsgrad)
+                  : fused_format<SKahan<BF16>>(f, grad, amsgrad);
+#if defined(CPU_CAPABILITY_AVX512)
+    case kRemainder:
+      return fused_format<SRemainder>(f, grad, amsgrad);
+    case kStochastic:
+      return fused_format<SStochastic>(f, grad, amsgrad);
+#endif
+    default:
+      return nullptr;
+  }
+}
+
+void run_item(Strategy s, Format f, bool amsgrad, RangeFn math, FusedFn fused, const CLeaf& L,
               std::int64_t begin, std::int64_t end, const Hyper& h) {
+  if (fused != nullptr) begin = fused(L, begin, end, h);
+  if (begin >= end) return;
   alignas(64) float sp[kTile], sm[kTile], sv[kTile], svm[kTile];
   // Small tiles keep the scratch in L1 between load, math and store; the 8-bit
   // format's table phases run better on longer loops. Measured on Zen 4 (8M params,
@@ -1462,8 +1690,16 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
   }
   hyper.stream_out = g_stream_out && total >= kStreamFrom;
   const RangeFn math = pick(grad_dtype, has_out ? out_dtype : std::nullopt, amsgrad);
+  // (MPFUNC_NATIVE_TILES=1: the tiles alone, to compare the two paths.)
+  static const bool tiles_only = [] {
+    const char* v = std::getenv("MPFUNC_NATIVE_TILES");
+    return v != nullptr && v[0] == '1';
+  }();
+  const FusedFn fused_bf = tiles_only ? nullptr : pick_fused(s, f, grad_dtype, false, amsgrad);
+  const FusedFn fused_h = tiles_only ? nullptr : pick_fused(s, f, grad_dtype, true, amsgrad);
   for_each_item(numels, total, [&](std::size_t i, std::int64_t b, std::int64_t e) {
-    run_item(s, f, amsgrad, math, leaves[i], b, e, hyper);
+    const CLeaf& L = leaves[i];
+    run_item(s, f, amsgrad, math, L.half ? fused_h : fused_bf, L, b, e, hyper);
   });
   if (s == kStochastic) {
     // _rng.advance: the next key, so the next step draws fresh bits.
