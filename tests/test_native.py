@@ -631,3 +631,26 @@ def test_bias_correction_matches_torch_at_large_steps(native: Any) -> None:
     c = make_case([(20,), (20,)], steps=[10**6, 2**24 - 2], beta2=0.99999)
     check_against_reference(c, steps=1)
     assert math.isclose(float(c.steps[1]), 2**24 - 2)
+
+
+def test_meta_key_sees_storage_size_inference_and_views(native: Any) -> None:
+    """The memo key holds what a remembered check would otherwise miss: the storage's
+    size (a storage freed and reallocated smaller at the same address), whether the
+    tensor is an inference tensor, a negative view or a conjugate view."""
+    import struct
+
+    def tail(t: torch.Tensor) -> tuple[int, int]:
+        nbytes, flags = struct.unpack("=qB", native.meta_key([t])[-9:])
+        return nbytes, flags
+
+    big = torch.zeros(128)
+    assert tail(big[:64]) == (128 * 4, 0)
+    with torch.inference_mode():
+        inf = torch.zeros(64)
+    assert tail(inf) == (64 * 4, 1)
+    t = torch.zeros(64)
+    neg = torch._neg_view(t)
+    assert neg.data_ptr() == t.data_ptr() and tail(neg) == (64 * 4, 2)
+    c = torch.zeros(8, dtype=torch.complex64)
+    assert tail(c.conj()) == (8 * 8, 4)
+    assert native.meta_key([c.conj()]) != native.meta_key([c])

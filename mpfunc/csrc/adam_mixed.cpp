@@ -1854,7 +1854,8 @@ std::tuple<std::int64_t, bool> tune(std::int64_t chunk, bool stream_out) {
 
 // The memo key of a list of pytree leaves (mpfunc/_checks.py, ``leaf_keys``): per leaf,
 // one byte for None, else the tensor's exact type (Tensor or Parameter), dtype, device,
-// ndim, sizes, strides and address, packed (each record delimits itself, so equal bytes
+// ndim, sizes, strides, address, storage size and the inference/negative/conjugate
+// flags, packed (each record delimits itself, so equal bytes
 // mean equal metadata). None where a leaf is anything else: a subclass or another object,
 // not strided, without storage, or on a device other than the CPU and CUDA. About 30 ns a
 // tensor where the same tuple built in Python costs ~700 ns.
@@ -1885,6 +1886,12 @@ py::object meta_key(py::handle leaves) {
     for (int64_t s : t.sizes()) put(s);
     for (int64_t s : t.strides()) put(s);
     put(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
+    // What a check may refuse although nothing above changed: a storage freed or shrunk
+    // and reallocated at the same address, an inference tensor at a tensor's old address,
+    // a negative or conjugate view of the same memory.
+    put(static_cast<int64_t>(t.storage().nbytes()));
+    out.push_back(static_cast<char>(int(t.is_inference()) | int(t.is_neg()) << 1 |
+                                    int(t.is_conj()) << 2));
   }
   return py::bytes(out);
 }
