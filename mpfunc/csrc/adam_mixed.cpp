@@ -1279,6 +1279,22 @@ struct SNearest {  // "none": the param itself, rounded to nearest
   }
 };
 
+template <class O>
+struct SFp32 {  // "fp32": the master in place; with params out, refreshed and rounded out
+  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+    load2<F32, true>(static_cast<const float*>(L.prim) + i, kBlock, p0, p1);
+    if constexpr (!std::is_void_v<typename O::T>) {
+      refresh<O, true>(static_cast<const typename O::T*>(L.out) + i, kBlock, p0, p1);
+    }
+  }
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+    store2<F32, true>(static_cast<float*>(L.prim) + i, kBlock, p0, p1);
+    if constexpr (!std::is_void_v<typename O::T>) {
+      store2<O, true>(static_cast<typename O::T*>(L.out) + i, kBlock, p0, p1);
+    }
+  }
+};
+
 template <class X>
 struct SKahan {  // param + compensation; store_kahan's block
   static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
@@ -1466,8 +1482,21 @@ FusedFn fused_format(Format f, c10::ScalarType grad, bool amsgrad) {
 }
 
 // The fused path of a (strategy, format, grad dtype, param dtype), or null (tiles only).
-FusedFn pick_fused(Strategy s, Format f, c10::ScalarType grad, bool half, bool amsgrad) {
+// `out`: the dtype of the params "fp32" masters write, if any.
+FusedFn pick_fused(Strategy s, Format f, c10::ScalarType grad, bool half, bool amsgrad,
+                   std::optional<c10::ScalarType> out) {
   switch (s) {
+    case kFP32:
+      if (f == kF32) return nullptr;  // (adam_mixed_'s plain pass takes this pair)
+      if (!out) return fused_format<SFp32<NoOut>>(f, grad, amsgrad);
+      switch (*out) {
+        case c10::ScalarType::BFloat16:
+          return fused_format<SFp32<BF16>>(f, grad, amsgrad);
+        case c10::ScalarType::Half:
+          return fused_format<SFp32<F16>>(f, grad, amsgrad);
+        default:
+          return fused_format<SFp32<F32>>(f, grad, amsgrad);
+      }
     case kNone:
       return half ? fused_format<SNearest<F16>>(f, grad, amsgrad)
                   : fused_format<SNearest<BF16>>(f, grad, amsgrad);
@@ -1695,8 +1724,9 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
     const char* v = std::getenv("MPFUNC_NATIVE_TILES");
     return v != nullptr && v[0] == '1';
   }();
-  const FusedFn fused_bf = tiles_only ? nullptr : pick_fused(s, f, grad_dtype, false, amsgrad);
-  const FusedFn fused_h = tiles_only ? nullptr : pick_fused(s, f, grad_dtype, true, amsgrad);
+  const auto out = has_out ? out_dtype : std::nullopt;
+  const FusedFn fused_bf = tiles_only ? nullptr : pick_fused(s, f, grad_dtype, false, amsgrad, out);
+  const FusedFn fused_h = tiles_only ? nullptr : pick_fused(s, f, grad_dtype, true, amsgrad, out);
   for_each_item(numels, total, [&](std::size_t i, std::int64_t b, std::int64_t e) {
     const CLeaf& L = leaves[i];
     run_item(s, f, amsgrad, math, L.half ? fused_h : fused_bf, L, b, e, hyper);
