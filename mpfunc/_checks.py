@@ -457,6 +457,19 @@ def check_storage(fn: str, side: Side) -> None:
 
 
 def _holds(t: torch.Tensor) -> bool:
+    """Whether a unit's tensor holds its elements: the leaves' cheap sure case first (a
+    contiguous tensor at its storage's start, ~1 us), else ``_storage_short`` in full."""
+    if t.is_xla:  # type: ignore[attr-defined]  # no memory to free (as _storage_short)
+        return True
+    try:
+        if (
+            t.storage_offset() == 0
+            and t.untyped_storage().nbytes() >= t.nbytes
+            and t.is_contiguous()
+        ):
+            return True
+    except (RuntimeError, NotImplementedError):  # _storage_short decides, as before
+        pass
     return _storage_short(t) is None
 
 
@@ -623,13 +636,15 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
         for i, t in enumerate(_dtensor.locals_(side.leaves)):
             if t is None:
                 continue
-            if _overlaps_itself(t):
+            # (A contiguous tensor with an address overlaps nothing: _overlaps_itself's
+            # first answer, read here without a call per tensor.)
+            if not (t.is_contiguous() and not t.is_xla and not t.is_meta) and _overlaps_itself(t):
                 fail(
                     ValueError, fn, side.path(i),
                     "a tensor whose elements do not share memory", f"{describe(t)} with "
                     f"strides {t.stride()}", "Pass .clone() of an expanded tensor",
                 )  # fmt: skip
-            if in_place and (t.is_neg() or t.is_conj() or (t.is_inference() and not inference)):
+            if in_place and (t.is_neg() or t.is_conj() or (not inference and t.is_inference())):
                 _not_in_place(fn, side.path(i), t)
 
 
@@ -704,14 +719,25 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
     # A DTensor's memory is its local shard's (the wrapper's data_ptr() is 0).
     tensors = _dtensor.locals_([t for side in sides for t in side.leaves if t is not None])
     traced = compiling()
-    lazy = [_root(t) for t in tensors if traced or _no_address(t)]
+    lazy: list[object] = []
+    spans: list[tuple[int, int]] = []
+    for t in tensors:  # one pass, the common case (contiguous) read inline
+        if traced or t.is_xla or t.is_meta:  # (_no_address)
+            lazy.append(_root(t))
+        elif t.is_contiguous():
+            start = t.data_ptr()
+            if t.nbytes:
+                spans.append((start, start + t.nbytes))
+        else:
+            sp = _span(t)
+            if sp[1] > sp[0]:
+                spans.append(sp)
     if lazy:
         if len(dict.fromkeys(lazy)) != len(lazy):
             _sweep(fn, written, read)
         if traced:
             return
-        tensors = [t for t in tensors if not _no_address(t)]
-    spans = sorted(sp for sp in map(_span, tensors) if sp[1] > sp[0])
+    spans.sort()
     reach = -1
     for start, end in spans:
         if start < reach:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _checks, _strategy, _tree
+from mpfunc import _checks, _gc, _strategy, _tree
 from mpfunc._checks import Side
 from mpfunc._plan import fresh_copy
 
@@ -45,6 +45,7 @@ def check_params(fn: str, side: Side, dtype: torch.dtype | None) -> None:
     _checks.check_no_alias(fn, written=[side._replace(leaves=floating)])
 
 
+@_gc.without_gc  # a few objects per leaf: no full collections over 100,000 leaves
 def init_master(
     params: Any,
     dtype: torch.dtype | None = None,

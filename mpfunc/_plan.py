@@ -43,12 +43,14 @@ from mpfunc import (
     _checks,
     _diagnostics,
     _dtensor,
+    _gc,
     _native,
     _sharding,
     _state_format,
     _strategy,
     _strategy_fp32,
     _tree,
+    _xla_kernels,
     _xla_watch,
 )
 from mpfunc._checks import LR, Like, LRArg, Side
@@ -105,14 +107,24 @@ def fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def xla_applies(master: object, state: Sequence[object]) -> bool:
-    """Whether a leaf can take a rule's ``"xla"`` kernel: a plain float32 master tensor on
-    a torch_xla device, with float32 state tensors (step counts are always float32)."""
-    f32 = torch.float32
+    """Whether a leaf can take a rule's ``"xla"`` kernel: on a torch_xla device, a plain
+    float32 master tensor or a unit of a strategy the node loads and stores itself (its
+    param of a dtype it takes: ``_xla_kernels.PARAM_DTYPES``), with state tensors all
+    float32 or all bfloat16 (step counts are always float32)."""
+    s = _strategy.by_unit(master)
+    face = master if s is None else master.param  # type: ignore[attr-defined]
+    if not isinstance(face, torch.Tensor) or not face.is_xla:  # type: ignore[attr-defined]
+        return False
+    if face.dtype not in _xla_kernels.PARAM_DTYPES.get("fp32" if s is None else s.name, ()):
+        return False
+    moments = [t for t in state if t is not None]
+    if not moments:
+        return True
+    first = moments[0]
     return (
-        isinstance(master, torch.Tensor)
-        and bool(master.is_xla)  # type: ignore[attr-defined]
-        and master.dtype == f32
-        and all(t is None or (isinstance(t, torch.Tensor) and t.dtype == f32) for t in state)
+        isinstance(first, torch.Tensor)
+        and first.dtype in (torch.float32, torch.bfloat16)
+        and all(isinstance(t, torch.Tensor) and t.dtype == first.dtype for t in moments)
     )
 
 
@@ -365,6 +377,32 @@ def _compute_dtype(face: torch.Tensor, fp32_kind: bool) -> torch.dtype:
     return torch.float32
 
 
+def _flat_fields(
+    fn: str, rule: Rule, hyper: Any, step: Step, state: Any
+) -> dict[str, tuple[list[Any], Any]]:
+    """Each field the hyperparameters use, flattened once with units (8-bit moments) as
+    leaves: ``(leaves, spec)``. The state's type and its unused fields (``None``) are
+    checked here; the used fields by ``_state_fields``."""
+    if not isinstance(state, rule.state_type):
+        raise TypeError(
+            f"{fn}: {step.state_name}: expected the {rule.state_type.__name__} made by "
+            f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
+        )
+    kinds = rule.fields(hyper)
+    out: dict[str, tuple[list[Any], Any]] = {}
+    for name in rule.state_type._fields:  # type: ignore[attr-defined]
+        value = getattr(state, name)
+        if kinds.get(name) is None:
+            if value is not None:
+                raise ValueError(
+                    f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
+                    f"{name}), got {_checks.describe(value)}"
+                )
+            continue
+        out[name] = _tree.flatten(value, units=True)
+    return out
+
+
 def _state_fields(
     fn: str,
     rule: Rule,
@@ -372,39 +410,19 @@ def _state_fields(
     step: Step,
     state: Any,
     state_dtype: torch.dtype | None,
-    check: bool = True,
-    specs: list[Any] | None = None,
+    flat: dict[str, tuple[list[Any], Any]],
 ) -> dict[str, list[Any]]:
-    """Each field the hyperparameters use, flattened and checked against the masters
-    (``check=False``: flattened to tensors, units opened, for a memo key: the state's type
-    and unused fields checked; each used field's spec appended to ``specs``)."""
-    if not isinstance(state, rule.state_type):
-        raise TypeError(
-            f"{fn}: {step.state_name}: expected the {rule.state_type.__name__} made by "
-            f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
-        )
+    """Each used field's leaves (``flat``, from ``_flat_fields``), checked against the
+    masters."""
     kinds = rule.fields(hyper)
     faces = step.faces if step.faces is not None else step.masters.leaves
     fp32 = step.kinds if step.kinds is not None else [None] * len(faces)
     ref = Side(step.masters.name, step.masters.tree, faces, units=True)
     out: dict[str, list[Any]] = {}
-    for name in rule.state_type._fields:  # type: ignore[attr-defined]
+    for name, (leaves, spec) in flat.items():
         value = getattr(state, name)
-        kind = kinds.get(name)
-        if kind is None:
-            if value is not None:
-                raise ValueError(
-                    f"{fn}: {step.state_name}.{name}: expected None (these hyperparameters use no "
-                    f"{name}), got {_checks.describe(value)}"
-                )
-            continue
+        kind = kinds[name]
         where = f"{step.state_name}.{name}"
-        leaves, spec = _tree.flatten(value, units=check)
-        if not check:
-            out[name] = leaves
-            if specs is not None:
-                specs.append(spec)
-            continue
         side = Side(where, value, leaves, units=True)
         _checks.check_same_structure(
             fn, "masters", step.masters.tree, step.spec, where, value, spec, _HINT
@@ -424,6 +442,8 @@ def _state_fields(
                 else _MOMENT._replace(dtypes=(state_dtype,), what=str(state_dtype)),
             )
         else:
+            problem = _state_format.problem
+            wants: dict[tuple[torch.dtype, bool], torch.dtype] = {}  # (face dtype, plain)
             for i, (f, x) in enumerate(zip(faces, leaves)):
                 if f is None:
                     if x is not None:
@@ -433,13 +453,23 @@ def _state_fields(
                 if x is None:
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
                 k = fp32[i]
-                compute = _compute_dtype(f, k is None or k.unit is None)
-                want = _state_format.stored_dtype(compute, state_dtype)
-                why = _state_format.problem(kind, x, f, want)
+                of = (f.dtype, k is None or k.unit is None)
+                want = wants.get(of)
+                if want is None:
+                    compute = _compute_dtype(f, of[1])
+                    want = wants[of] = _state_format.stored_dtype(compute, state_dtype)
+                why = problem(kind, x, f, want)
                 if why is not None:
                     _checks.fail(why[0], fn, side.path(i), why[1], why[2], _HINT)
         out[name] = leaves
     return out
+
+
+def _opened(leaves: list[Any]) -> list[Any]:
+    """Leaves with each unit (a NamedTuple of tensors) opened into its tensors, in order."""
+    if not any([isinstance(x, tuple) for x in leaves]):
+        return leaves
+    return [t for x in leaves for t in (x if isinstance(x, tuple) else (x,))]
 
 
 def tensor_sides(side: Side) -> list[Side]:
@@ -570,30 +600,28 @@ def _plan_elementwise(
     memo_key: Any = None
     groups: list[tuple[tuple[object, ...], list[int]]] | None = None
     parts: list[Any] = []
-    plain: dict[str, list[Any]] = {}
+    # Each field flattened once, units (8-bit moments) as leaves: what the kernels take,
+    # and optree's cheap walk (it opens a NamedTuple node for ~3 us, 100,000 of them a field).
+    flat = _flat_fields(fn, rule, hyper, step, state)
+    fields = {name: leaves for name, (leaves, _) in flat.items()}
     if step.memo is not None:
-        specs: list[Any] = []
-        plain = _state_fields(fn, rule, hyper, step, state, state_dtype, False, specs)
-        parts = [_checks.leaf_keys(f) for f in plain.values()]
+        # The key: each field's spec, the type of each leaf (a unit's class: the spec
+        # holds none), and the metadata of every tensor, units opened.
+        parts = [_checks.leaf_keys(_opened(f)) for f in fields.values()]
         if all(p is not None for p in parts):
             memo_key = (
                 fn, step.state_name, rule.name, rule.state_type, tuple(rule.kernels.items()),
                 tuple(kinds_of.items()), hyper, impl, state_dtype, step.skip is None,
                 step.scale is None, step.stats is None, _native.loaded(),
-                tuple(specs), tuple(parts),
+                tuple(spec for _, spec in flat.values()),
+                tuple(tuple(map(type, f)) for f in fields.values()), tuple(parts),
             )  # fmt: skip
             try:
-                hit = step.memo.get(memo_key)
+                groups = step.memo.get(memo_key)
             except TypeError:  # an unhashable hyperparameter: plan in full
-                memo_key = hit = None
-            if hit is not None:
-                groups, same = hit
-                # Units in the state (8-bit moments) are one leaf each for the kernels.
-                fields = plain
-                if not same:
-                    fields = {n: _tree.flatten(getattr(state, n), units=True)[0] for n in plain}
+                memo_key = groups = None
     if groups is None:
-        fields = _state_fields(fn, rule, hyper, step, state, state_dtype)
+        _state_fields(fn, rule, hyper, step, state, state_dtype, flat)
     moments = [f for name, f in fields.items() if name != "step"]
     if groups is None:
         sides = [
@@ -625,11 +653,7 @@ def _plan_elementwise(
     if groups is None:
         groups = _decide(fn, rule, impl, step, moments, model)
         if memo_key is not None:
-            same = all(
-                len(plain[n]) == len(f) and all(a is b for a, b in zip(plain[n], f))
-                for n, f in fields.items()
-            )
-            step.memo.put(memo_key, (groups, same), parts)
+            step.memo.put(memo_key, groups, parts)
     steps = fields.get("step")
     cache: dict[Any, Any] = {}
     work: list[Work] = []
@@ -716,19 +740,22 @@ def _decide(
             impl in ("auto", "xla")
             and has_xla
             and not traced
-            and s is None
             and step.stats is None
-            and xla_applies(f, stored)
+            and xla_applies(m, stored)
         ):
             # The whole step in one node: grads and model params of any float dtypes (each
-            # converted on its own), so the key says only whether there are model params.
+            # converted on its own), so the key says only whether there are model params,
+            # and one strategy and state dtype per node.
             has_model = model is not None and model[i] is not None
-            keys.append((f.device, compute, "xla", None, True if has_model else None))
+            name = "fp32" if s is None else s.name
+            held = getattr(stored[0], "dtype", None) if stored else None
+            keys.append((f.device, compute, "xla", None, True if has_model else None, name, held))
             continue
         if impl == "xla":
             raise ValueError(
                 f"{fn}: at {step.masters.path(i)!r}: impl='xla': expected a float32 master "
-                f"(fp32 strategy, float32 state, no stats) on an XLA device, got "
+                f"(or a master of strategy 'none', 'kahan', 'remainder' or 'stochastic'), "
+                f"float32 or bfloat16 state, no stats, on an XLA device, got "
                 f"{_checks.describe(f)}. Use impl='auto' or 'foreach'."
             )
         direct = (
@@ -814,14 +841,20 @@ def _count(m: torch.Tensor) -> torch.Tensor:
 
 
 def _zeros(
-    kind: str, compute: torch.dtype, face: torch.Tensor, state_dtype: torch.dtype | None
+    kind: str,
+    compute: torch.dtype,
+    face: torch.Tensor,
+    state_dtype: torch.dtype | None,
+    spmd: bool = True,
 ) -> Any:
     # The master's layout (channels_last, transposed): fused kernels pair by position.
     z = _state_format.zeros(kind, compute, face, state_dtype)
     # Its XLA SPMD sharding too (zeros_like alone comes out replicated): each tensor of
-    # the face's shape (a moment, 8-bit codes; not the per-block scales).
-    for t in _tree.flatten(z)[0]:
-        _sharding.like_(t, face)
+    # the face's shape (a moment, 8-bit codes; not the per-block scales). ``spmd``: SPMD
+    # may be on (``_sharding.active()``, asked once per init, not per leaf).
+    if spmd:
+        for t in _tree.flatten(z)[0]:
+            _sharding.like_(t, face)
     return z
 
 
@@ -831,6 +864,7 @@ def elementwise(
     """The ``Optimizer`` for an elementwise ``rule`` with these hyperparameters."""
     kinds = rule.fields(hyper)
 
+    @_gc.without_gc  # a few objects per leaf: no full collections over 100,000 leaves
     def init(masters: Any) -> Any:
         side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
         faces = [_strategy.face(m) for m in side.leaves]
@@ -838,6 +872,7 @@ def elementwise(
         if state_dtype == torch.uint8:
             _state_format.check_quantizable(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
+        spmd = _sharding.active()
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)
             if kind is None:
@@ -846,7 +881,7 @@ def elementwise(
             leaves = [
                 None if f is None
                 else _count(f) if kind == "step"
-                else _zeros(kind, _compute_dtype(f, p), f, state_dtype)
+                else _zeros(kind, _compute_dtype(f, p), f, state_dtype, spmd)
                 for f, p in zip(faces, plain)
             ]  # fmt: skip
             state[name] = _tree.unflatten(spec, leaves)

@@ -49,18 +49,23 @@ def problem(
     kind: str, x: Any, like: torch.Tensor, dtype: torch.dtype
 ) -> tuple[type[Exception], str, str] | None:
     """What is wrong with a stored moment: (exception type, expected, got), or ``None``."""
+    # Runs per leaf in a step that plans in full: each attribute read once, cheap tests first.
     if dtype == torch.uint8:
-        if not isinstance(x, QState) or not all(isinstance(t, torch.Tensor) for t in x):
+        Tensor = torch.Tensor
+        if not (
+            isinstance(x, QState) and isinstance(x.codes, Tensor) and isinstance(x.scale, Tensor)
+        ):
             return TypeError, "a QState (an 8-bit moment made by opt.init)", _checks.describe(x)
         want = torch.int8 if kind != "square" else torch.uint8
         c, s = x.codes, x.scale
-        if c.dtype != want or c.shape != like.shape or c.device != like.device:
+        device = like.device
+        if c.dtype != want or c.shape != like.shape or c.device != device:
             return (
                 ValueError, f"codes {want} of shape {tuple(like.shape)} on {like.device}",
                 f"{c.dtype} of shape {tuple(c.shape)} on {c.device}",
             )  # fmt: skip
         n = _quantize.blocks(math.prod(like.shape))
-        if s.dtype != _quantize.SCALE_DTYPE or s.shape != (n,) or s.device != like.device:
+        if s.dtype != _quantize.SCALE_DTYPE or s.shape != (n,) or s.device != device:
             return (
                 ValueError, f"scales {_quantize.SCALE_DTYPE} of shape ({n},) on {like.device}",
                 f"{s.dtype} of shape {tuple(s.shape)} on {s.device}",
