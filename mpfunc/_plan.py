@@ -5,12 +5,12 @@ dtype. A step's leaves are grouped by (device, dtype, implementation), and each
 group becomes one or more kernel calls (``Work``):
 
 * ``auto`` picks ``xla`` on XLA devices where the rule has an XLA kernel and the leaf
-  has a plain float32 master with float32 state (``xla_applies``), and no
-  diagnostics are asked for: the whole group's step (grads widened and unscaled,
-  rounded params written) is then one cached XLA computation, one traced node instead
-  of about 16 per leaf. Elsewhere on XLA (float64 masters, other master strategies,
-  bf16 or 8-bit state, ``stats=``, lazy devices other than torch_xla's) the foreach
-  path remains.
+  has a float32 master or a ``"none"``/``"kahan"``/``"remainder"``/``"stochastic"``
+  unit with float32 or bf16 state (``xla_applies``), and no diagnostics are asked for:
+  the whole group's step (the strategy's load and store, grads widened and unscaled,
+  moments widened and rounded, params written) is then one cached XLA computation, one
+  traced node instead of dozens per leaf. Elsewhere on XLA (float64 masters, 8-bit
+  state, ``stats=``, lazy devices other than torch_xla's) the foreach path remains.
 * ``auto`` picks ``native`` on the CPU where the rule has one (mpfunc's own kernel,
   ``_native``: the whole mixed step in one pass), no stats are asked for, the kernel
   builds here, and the leaf fits it: a float32 master with float32 state, or any master

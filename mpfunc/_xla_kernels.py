@@ -28,6 +28,18 @@ stored ``exp_avg_sq`` is 1.7e-4 off torch.optim's at beta2 = 0.9999), need a flo
 ``found_inf`` of the param dtype, and, for SGD, apply ``maximize`` by negating lr,
 which flips the sign of the momentum buffer and of weight decay.
 
+The master strategies and bf16 state run in the same node: ``_plan._run_mixed`` around
+the optimizer, op for op, with each strategy's ``load`` and ``store`` and the state
+format's widening and rounding inside (``_B.load``/``store``/``widen``/``narrow``):
+``"none"`` (the param widened, rounded back to nearest even), ``"kahan"`` (``param +
+compensation`` in fp32, and the compensated store), ``"remainder"`` (``_remainder``'s
+join and split, by bitcasts), ``"stochastic"`` (``_rng``'s counter-based hash of the key
+and the row-major element index in wrapping s32 arithmetic, the truncation rounding of
+``_strategy_stochastic``, and the key's advance), and bf16 moments (widened, rounded to
+nearest even, their old bits kept where skipped). Adam/AdamW on every such pair give the
+foreach path's bits (tests/test_xla_kernels.py); the one caveat is the fused
+multiply-add above, which shows in a remainder's low half as it does in an fp32 master.
+
 Also folded into the node, to cut host time further:
 
 * low-precision grads (bf16/fp16) are widened inside, exactly as ``grads_to_fp32_``
@@ -36,10 +48,10 @@ Also folded into the node, to cut host time further:
   (round to nearest even), as ``masters_to_model_`` writes them (a skipped step keeps
   their bits, as ``apply_update_(params=)`` does).
 
-What this path does not take (callers keep the foreach path for it): masters or
-moments in a dtype other than float32 (fp64 masters, low-precision state
-strategies), tensors on different devices within one call, and anything but one lr
-and one skip flag per call. torch_xla is imported on first use only.
+What this path does not take (callers keep the foreach path for it): fp64 masters,
+8-bit moments (``state_dtype=torch.uint8``), ``stats=``, tensors on different devices
+within one call, and anything but one lr and one skip flag per call. torch_xla is
+imported on first use only.
 """
 
 from __future__ import annotations
@@ -149,15 +161,13 @@ def _run(
     group: _Leaves,
     shared: tuple[list[torch.Tensor], tuple[Any, ...]],
     build: Callable[[Any, _Leaves, tuple[Any, ...]], Any],
-    fields: Sequence[Sequence[Any]],
-    model_params: Optional[Sequence[Optional[torch.Tensor]]],
 ) -> None:
     """Gets (or builds, with ``build(h, group, shared_key)``) the computation of this step,
-    calls it once, and copies its results into ``fields`` and ``model_params`` (one list of
-    destinations per output field; the results come leaf-major: leaf 0's fields, then leaf
-    1's, ...)."""
+    calls it once, and copies its results into ``group.dests`` (one list of destinations
+    per output field; the results come leaf-major: leaf 0's fields, then leaf 1's, ...)."""
     inputs, shared_key = shared
-    key = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes, group.low_dtypes)
+    key: tuple[Any, ...] = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes)
+    key += (group.low_dtypes, group.strategy, group.types)
     with _lock:
         comp = _cache.get(key)
     if comp is None:
@@ -166,25 +176,46 @@ def _run(
             if len(_cache) >= _CACHE_SIZE:
                 _cache.pop(next(iter(_cache)))
             _cache[key] = comp
-    outputs = [*fields, *([model_params] if model_params is not None else [])]
     results = _xlac()._xla_user_computation(f"xla::mpfunc_{kind}", group.inputs + inputs, comp)
-    n_fields = len(outputs)
+    n_fields = len(group.dests)
     with torch.no_grad():
-        for j, dst in enumerate(outputs):
+        for j, dst in enumerate(group.dests):
             if dst:
-                torch._foreach_copy_(list(dst), list(results[j::n_fields]))
+                torch._foreach_copy_(dst, list(results[j::n_fields]))
 
 
 _SCALAR = torch.Size([])
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Moments the node loads (widened to fp32) and stores (rounded to nearest even), as
+# ``_state_format.load``/``store`` do: one dtype per group.
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+# The master strategies whose ``load`` and ``store`` the node does itself, with the param
+# dtypes it takes for each ("fp32": the master is a plain float32 tensor). ``_plan``'s
+# ``xla_applies`` reads this table.
+PARAM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "fp32": (torch.float32,),
+    "none": (torch.bfloat16, torch.float16, torch.float32),
+    "kahan": (torch.bfloat16, torch.float16),
+    "remainder": (torch.bfloat16,),
+    "stochastic": (torch.bfloat16,),
+}
+# A unit's second tensor: (its dtype, ``None`` for the param's; whether it is 0-d).
+_AUX: dict[str, tuple[Optional[torch.dtype], bool]] = {
+    "kahan": (None, False),
+    "remainder": (torch.int16, False),
+    "stochastic": (torch.int32, True),
+}
 
 
 class _Leaves(NamedTuple):
     """A checked group, laid out as the computation's parameters.
 
-    ``inputs`` holds first the state the step rewrites (``fields``: masters, moments, step
-    counts), ordered by torch_xla tensor id, then the grads (leaf order). ``order`` says
-    which (field, leaf) each state parameter is: ``field * n + leaf``.
+    ``inputs`` holds first the state the step rewrites (``dests``: the master's tensors
+    (the fp32 master, or a unit's param and its buffer), moments, step counts, and the
+    model params), ordered by torch_xla tensor id, then the grads (leaf order). ``order``
+    says which (field, leaf) each state parameter is: ``field * n + leaf``. ``types`` gives
+    each state field's dtype per leaf, ``scalar`` whether the field is 0-d.
 
     Why the order: torch_xla donates the buffers of rewritten tensors, and XLA's
     ``OptimizeInputOutputBufferAlias`` pairs donated parameters with outputs by byte size,
@@ -202,6 +233,10 @@ class _Leaves(NamedTuple):
     grad_dtypes: tuple[torch.dtype, ...]
     low_dtypes: Optional[tuple[torch.dtype, ...]]
     device: torch.device
+    strategy: str
+    types: tuple[tuple[torch.dtype, ...], ...]
+    scalar: tuple[bool, ...]
+    dests: list[list[torch.Tensor]]
 
 
 def _by_tensor_id(state: Sequence[torch.Tensor]) -> list[int]:
@@ -216,9 +251,17 @@ def _by_tensor_id(state: Sequence[torch.Tensor]) -> list[int]:
     return sorted(range(len(state)), key=ids.__getitem__, reverse=True)
 
 
+def _strategy_of(master: object) -> str:
+    """The master strategy of a leaf: ``"fp32"`` for a tensor (or anything not a unit)."""
+    from mpfunc import _strategy  # (_strategy imports the planner, which imports us)
+
+    s = _strategy.by_unit(master)
+    return "fp32" if s is None else s.name
+
+
 def _gather(
     fn: str,
-    params: Sequence[torch.Tensor],
+    params: Sequence[Any],
     grads: Sequence[torch.Tensor],
     moments: Sequence[tuple[str, Sequence[Optional[torch.Tensor]]]],
     steps: Sequence[torch.Tensor],
@@ -237,45 +280,98 @@ def _gather(
         raise ValueError(
             f"{fn}: model_params: expected {n} entries (one per param), got {len(model_params)}"
         )
-    device = params[0].device
-    psig = [(t.shape, t.dtype, t.device) for t in params]
+    strategy = _strategy_of(params[0])
+    if strategy != "fp32" and model_params is not None:
+        raise ValueError(
+            f"{fn}: model_params: expected None for {strategy!r} masters (a unit writes its "
+            "own param)"
+        )
+    group = _layout(strategy, params, grads, moments, steps, model_params)
+    if group is None:
+        _explain(fn, strategy, params, grads, moments, steps, model_params)
+    assert group is not None
+    return group
+
+
+def _layout(
+    strategy: str,
+    params: Sequence[Any],
+    grads: Sequence[torch.Tensor],
+    moments: Sequence[tuple[str, Sequence[Optional[torch.Tensor]]]],
+    steps: Sequence[torch.Tensor],
+    model_params: Optional[Sequence[Optional[torch.Tensor]]],
+) -> Optional[_Leaves]:
+    """The group laid out, or ``None`` where a check fails (``_explain`` names it)."""
+    n = len(params)
+    Tensor = torch.Tensor
+    if strategy == "fp32":
+        unit = [list(params)]
+    else:
+        kind = type(params[0])
+        if strategy not in PARAM_DTYPES or not all(type(u) is kind for u in params):
+            return None
+        unit = [list(f) for f in zip(*params)]
+    if not all(isinstance(t, Tensor) for f in unit for t in f):
+        return None
+    faces = unit[0]
+    device = faces[0].device
+    psig = [(t.shape, t.device) for t in faces]
+    ptypes = tuple(t.dtype for t in faces)
+    ok = device.type == "xla" and all(dev == device for _, dev in psig)
+    ok = ok and set(ptypes) <= set(PARAM_DTYPES[strategy])
+    aux_dtype, aux_scalar = _AUX.get(strategy, (None, False))
+    if ok and len(unit) > 1:
+        ok = [(t.shape, t.dtype, t.device) for t in unit[1]] == [
+            (_SCALAR if aux_scalar else s, d if aux_dtype is None else aux_dtype, dev)
+            for (s, dev), d in zip(psig, ptypes)
+        ]
+    mdtype = getattr(moments[0][1][0], "dtype", None) if moments else torch.float32
+    ok = ok and mdtype in _MOMENT_DTYPES
+    msig = [(s, mdtype, dev) for s, dev in psig]
+    ok = ok and all(isinstance(t, Tensor) for _, seq in moments for t in seq)
+    ok = ok and all([(t.shape, t.dtype, t.device) for t in seq] == msig for _, seq in moments)  # type: ignore[union-attr]
     f32 = torch.float32
-    ok = device.type == "xla" and all(d is f32 and dev == device for _, d, dev in psig)
-    ok = ok and all([(t.shape, t.dtype, t.device) for t in seq] == psig for _, seq in moments)  # type: ignore[union-attr]
+    ok = ok and all(isinstance(t, Tensor) for t in steps)
     ok = ok and [(t.shape, t.dtype, t.device) for t in steps] == [(_SCALAR, f32, device)] * n
-    gsig = [(g.shape, g.device) for g in grads]
-    ok = ok and gsig == [(s, dev) for s, _, dev in psig]
+    ok = ok and all(isinstance(g, Tensor) for g in grads)
+    if not ok:
+        return None
+    ok = [(g.shape, g.device) for g in grads] == psig
     grad_dtypes = tuple(g.dtype for g in grads)
     ok = ok and all(d in _FLOATS for d in set(grad_dtypes))
     low_dtypes = None
     if model_params is not None:
-        ok = ok and all(t is not None for t in model_params)
+        ok = ok and all(isinstance(t, Tensor) for t in model_params)
         if ok:
             low_dtypes = tuple(t.dtype for t in model_params)  # type: ignore[union-attr]
-            ok = [(t.shape, t.device) for t in model_params] == [  # type: ignore[union-attr]
-                (s, dev) for s, _, dev in psig
-            ] and all(d in _FLOATS for d in set(low_dtypes))
+            ok = [(t.shape, t.device) for t in model_params] == psig and all(  # type: ignore[union-attr]
+                d in _FLOATS for d in set(low_dtypes)
+            )
     if not ok:
-        _explain(fn, params, grads, moments, steps, model_params)
-    model = [model_params] if (low_dtypes and model_params is not None) else []
-    fields = (params, *(seq for _, seq in moments), steps, *model)
-    state = [t for seq in fields for t in seq]
-    order = _by_tensor_id(state)  # type: ignore[arg-type]
+        return None
+    dests: list[list[Any]] = [*unit, *([*seq] for _, seq in moments), list(steps)]
+    model: list[list[Any]] = [list(model_params)] if low_dtypes and model_params else []
+    state = [t for seq in (*dests, *model) for t in seq]
+    order = _by_tensor_id(state)
     inputs = [state[k] for k in order] + list(grads)
-    shapes = tuple(s for s, _, _ in psig)
-    return _Leaves(inputs, tuple(order), shapes, grad_dtypes, low_dtypes, device)  # type: ignore[arg-type]
+    shapes = tuple(s for s, _ in psig)
+    types = tuple(tuple(t.dtype for t in f) for f in dests)
+    scalar = (False, *([aux_scalar] if len(unit) > 1 else []), *([False] * len(moments)), True)
+    dests += model
+    layout = (tuple(order), shapes, grad_dtypes, low_dtypes, device, strategy, types, scalar)
+    return _Leaves(inputs, *layout, dests)
 
 
 def _explain(
     fn: str,
-    params: Sequence[torch.Tensor],
+    strategy: str,
+    params: Sequence[Any],
     grads: Sequence[torch.Tensor],
     moments: Sequence[tuple[str, Sequence[Optional[torch.Tensor]]]],
     steps: Sequence[torch.Tensor],
     model_params: Optional[Sequence[Optional[torch.Tensor]]],
 ) -> None:
     """Raises the error for the first leaf at fault."""
-    device = params[0].device
 
     def where(
         name: str, i: int, expected: str, got: str, cls: type[Exception] = ValueError
@@ -287,9 +383,40 @@ def _explain(
             return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
         return type(t).__name__
 
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor) or p.dtype != torch.float32:
-            where("params", i, "a float32 master", desc(p), TypeError)
+    def short(d: Optional[torch.dtype]) -> str:
+        return str(d).removeprefix("torch.")
+
+    if strategy not in PARAM_DTYPES:
+        known = ", ".join(PARAM_DTYPES)
+        expected = f"a float32 master or a unit of a strategy this kernel takes ({known})"
+        where("params", 0, expected, f"a {strategy!r} master", TypeError)
+    first = params[0]
+    device = getattr(first if strategy == "fp32" else first[0], "device", None)
+    mdtype = getattr(moments[0][1][0], "dtype", None) if moments else torch.float32
+    if mdtype not in _MOMENT_DTYPES:
+        where(moments[0][0], 0, "a float32 or bfloat16 moment", desc(moments[0][1][0]), TypeError)
+    for i, x in enumerate(params):
+        if strategy == "fp32":
+            p = x
+            if not isinstance(p, torch.Tensor) or p.dtype != torch.float32:
+                where("params", i, "a float32 master", desc(p), TypeError)
+        else:
+            if type(x) is not type(first):
+                where("params", i, f"a {type(first).__name__} (as params[0])", desc(x), TypeError)
+            p = x[0]
+            kinds = PARAM_DTYPES[strategy]
+            if not isinstance(p, torch.Tensor) or p.dtype not in kinds:
+                expected = f"a {' or '.join(map(short, kinds))} param in its {type(x).__name__}"
+                where("params", i, expected, desc(p), TypeError)
+            if len(x) > 1:
+                aux_dtype, aux_scalar = _AUX[strategy]
+                want = (_SCALAR if aux_scalar else p.shape, aux_dtype or p.dtype, p.device)
+                t = x[1]
+                if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != want:
+                    raise ValueError(
+                        f"{fn}: at params[{i}].{x._fields[1]}: expected {short(want[1])} of "
+                        f"shape {tuple(want[0])} on {p.device}, got {desc(t)}"
+                    )
         if p.device.type != "xla" or p.device != device:
             where("params", i, f"a tensor on the group's XLA device ({device})", desc(p))
         g = grads[i]
@@ -300,9 +427,9 @@ def _explain(
         for name, seq in moments:
             t = seq[i]
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (
-                p.shape, p.dtype, p.device,
+                p.shape, mdtype, p.device,
             ):  # fmt: skip
-                where(name, i, f"float32 of shape {tuple(p.shape)} on {p.device}", desc(t))
+                where(name, i, f"{short(mdtype)} of shape {tuple(p.shape)} on {p.device}", desc(t))
         s = steps[i]
         if not isinstance(s, torch.Tensor) or (s.shape, s.dtype, s.device) != (
             _SCALAR, torch.float32, p.device,
@@ -325,10 +452,13 @@ def _explain(
 
 # --- the builders ----------------------------------------------------------------------------
 
+# _rng's constants (int32): the golden-ratio step and MurmurHash3's fmix32 multipliers.
+_GOLDEN, _M1, _M2 = -1640531535, -2048144789, -1028477387
+
 
 class _B:
     """A small helper around one ``xla_builder`` computation: parameters in order, fp32
-    constants, and casts."""
+    constants, casts, and each master strategy's and state format's load and store."""
 
     def __init__(self, name: str) -> None:
         self.xb = _xb()
@@ -349,12 +479,21 @@ class _B:
             self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="f32")
         return self._consts[k]
 
-    def state_params(self, group: _Leaves, n_fields: int) -> tuple[list[list[Any]], list[Any]]:
-        """The state parameters in ``group.order``: ``n_fields`` fp32 fields as
-        ``[field][leaf]`` (the last is the 0-d step counts, the others are shaped like the
-        masters), and the model params' (their old values, kept where the step is skipped),
-        ``None`` per leaf without them."""
+    def s32(self, value: int) -> Any:
+        k = ("s32", value)
+        if k not in self._consts:
+            self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="s32")
+        return self._consts[k]
+
+    def fields(
+        self, group: _Leaves, n_moments: int
+    ) -> tuple[list[list[Any]], list[list[Any]], list[Any], list[Any]]:
+        """The state parameters in ``group.order``: per leaf the master's tensors (the fp32
+        master, or a unit's param and buffer), ``n_moments`` moment fields as
+        ``[field][leaf]``, the 0-d step counts, and the model params' (their old values,
+        kept where the step is skipped), ``None`` per leaf without them."""
         n = len(group.shapes)
+        n_fields = len(group.types)
         ops: list[list[Any]] = [[None] * n for _ in range(n_fields + 1)]
         for k in group.order:
             field, leaf = divmod(k, n)
@@ -362,9 +501,90 @@ class _B:
                 assert group.low_dtypes is not None
                 ops[field][leaf] = self.param(group.shapes[leaf], group.low_dtypes[leaf])
                 continue
-            shape = () if field == n_fields - 1 else group.shapes[leaf]
-            ops[field][leaf] = self.param(shape, torch.float32)
-        return ops[:n_fields], ops[n_fields]
+            shape = () if group.scalar[field] else group.shapes[leaf]
+            ops[field][leaf] = self.param(shape, group.types[field][leaf])
+        u = n_fields - n_moments - 1
+        units = [list(x) for x in zip(*ops[:u])]
+        return units, ops[u : u + n_moments], ops[n_fields - 1], ops[n_fields]
+
+    def moment_dtype(self, group: _Leaves, n_moments: int) -> torch.dtype:
+        return group.types[-2][0] if n_moments and group.shapes else torch.float32
+
+    def load(self, group: _Leaves, i: int, unit: list[Any], old_low: Any) -> Any:
+        """The fp32 value leaf ``i``'s step starts from, as its strategy's ``load`` gives it
+        (an "fp32" master refreshed from its model param, ``refresh``)."""
+        s, dtype, f32 = group.strategy, group.types[0][i], torch.float32
+        if s == "fp32":
+            low = None if group.low_dtypes is None else group.low_dtypes[i]
+            return self.refresh(unit[0], old_low, low)
+        if s == "remainder":
+            from mpfunc import _remainder
+
+            return _remainder._join_ops(self.xb, self.builder, unit[0], unit[1])
+        x = self.to(unit[0], dtype, f32)
+        # Kahan: ``param.float().add_(compensation.float())``.
+        return x + self.to(unit[1], dtype, f32) if s == "kahan" else x
+
+    def store(self, skip: Any, group: _Leaves, i: int, unit: list[Any], x: Any) -> list[Any]:
+        """The master's tensors after the step (``x``: its new fp32 value), each keeping its
+        old bits where the step is skipped, as the strategy's ``store`` writes them."""
+        s, dtype, f32 = group.strategy, group.types[0][i], torch.float32
+        if s == "fp32":
+            return [self.keep(skip, unit[0], x)]
+        if s == "remainder":
+            from mpfunc import _remainder
+
+            param, rem = _remainder._split_ops(self.xb, self.builder, x)
+            return [self.keep(skip, unit[0], param), self.keep(skip, unit[1], rem)]
+        if s == "stochastic":
+            key = unit[1]
+            param = self.round_stochastic(x, self.bits(key, group.shapes[i]))
+            nxt = self.mix(key + self.s32(_GOLDEN))  # _rng.advance
+            return [self.keep(skip, unit[0], param), self.keep(skip, key, nxt)]
+        param = self.to(x, f32, dtype)
+        if s == "none":
+            return [self.keep(skip, unit[0], param)]
+        comp = self.to(x - self.to(param, dtype, f32), f32, dtype)  # Kahan's store
+        return [self.keep(skip, unit[0], param), self.keep(skip, unit[1], comp)]
+
+    def widen(self, m: Any, dtype: torch.dtype) -> Any:
+        """A stored moment in fp32 (``_state_format.load``)."""
+        return self.to(m, dtype, torch.float32)
+
+    def narrow(self, skip: Any, old: Any, new: Any, dtype: torch.dtype) -> Any:
+        """A moment's output: ``new`` (already kept) in fp32 state, else rounded to nearest
+        even with the old stored bits where skipped (``_state_format.store``)."""
+        if dtype == torch.float32:
+            return new
+        return self.keep(skip, old, self.to(new, torch.float32, dtype))
+
+    def shr(self, x: Any, n: int) -> Any:
+        """Logical right shift of s32 values, as ``_rng._shr`` (a division of the non-negative
+        part; the builder's own right shift is misspelt in torch_xla 2.9, see _remainder)."""
+        low = (x & self.s32(0x7FFFFFFF)) / self.s32(1 << n)
+        return low + (x < self.s32(0)).select(x.scalar_like(1 << (31 - n)), x.zeros_like())
+
+    def mix(self, x: Any) -> Any:
+        """``_rng._mix``: MurmurHash3's fmix32 in wrapping s32 arithmetic."""
+        x = x ^ self.shr(x, 16)
+        x = x * self.s32(_M1)
+        x = x ^ self.shr(x, 13)
+        x = x * self.s32(_M2)
+        return x ^ self.shr(x, 16)
+
+    def bits(self, key: Any, shape: Sequence[int]) -> Any:
+        """``_rng.bits(key, shape)``: the row-major element index hashed with the key."""
+        n = math.prod(shape)
+        index = self.xb.Op.iota(self.builder, self.xb.mkshape("s32", (n,)), 0)
+        index = index.reshape(list(shape))
+        x = self.mix(index * self.s32(_GOLDEN) + key)
+        return self.mix(x ^ key)
+
+    def round_stochastic(self, x: Any, r: Any) -> Any:
+        """``_strategy_stochastic``'s rounding of fp32 ``x`` to bf16 with draws ``r``: the low
+        16 bits of ``r`` added to the bits, truncated; NaN stays NaN."""
+        t = (x.bitcast("s32") + (r & self.s32(0xFFFF))) & self.s32(-65536)
+        return (x != x).select(x, t.bitcast("f32")).cast("bf16")
 
     def round_out(self, skip: Any, old: Any, p: Any, low: Optional[torch.dtype]) -> list[Any]:
         """The model param's output: the master rounded to nearest even (as ``Tensor.to``),
@@ -443,16 +663,20 @@ class _AdamHyper(NamedTuple):
 def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     """The computation of one Adam/AdamW step over ``group``.
 
-    Op for op the HLO of ``_adam._foreach`` (with ``_optimizer.unless_skipped`` for the skip):
+    Op for op the HLO of ``_plan._run_mixed`` around ``_adam._foreach`` (with
+    ``_optimizer.unless_skipped`` for the skip): the strategy's load, the moments widened,
     the moments by ``lerp`` (``m + (1 - beta1) * (g - m)``) and ``v * beta2 + g*g *
     (1 - beta2)``, the bias corrections ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``
-    through ``expm1(t * ln beta)``, and ``p + m / ((sqrt(v) / c2 + eps) / c1)``.
+    through ``expm1(t * ln beta)``, ``p + m / ((sqrt(v) / c2 + eps) / c1)``, then the
+    moments rounded back and the strategy's store.
     """
     b = _B("mpfunc_adam")
     f32 = torch.float32
-    state, L = b.state_params(group, 5 if h.amsgrad else 4)
-    P, M, V, S = state[0], state[1], state[2], state[-1]
-    VM = state[3] if h.amsgrad else [None] * len(P)
+    n_moments = 3 if h.amsgrad else 2
+    units, moments, S, L = b.fields(group, n_moments)
+    md = b.moment_dtype(group, n_moments)
+    M, V = moments[0], moments[1]
+    VM = moments[2] if h.amsgrad else [None] * len(M)
     G = b.grad_params(group)
     lr_kind, skip_kind, scaled = shared
     lr = b.param((), f32)
@@ -462,7 +686,7 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         # Tensor lr: ``1 - lr * weight_decay`` in fp32 on the device, as _foreach does.
         decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
     skip = b.skip(skip_kind)
-    ins = list(zip(P, b.unscale(G, scaled), M, V, VM, S))
+    ins = list(zip(units, b.unscale(G, scaled), M, V, VM, S, L))
 
     one = b.f32(1.0)
     ln_b1, ln_b2 = b.f32(_ln(h.beta1)), b.f32(_ln(h.beta2))
@@ -470,27 +694,33 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     beta2, eps, wd = b.f32(h.beta2), b.f32(h.eps), b.f32(h.weight_decay)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, m, v, vm, s), low, old_low in zip(ins, lows, L):
+    for i, ((unit, g, m0, v0, vm0, s, old_low), low) in enumerate(zip(ins, lows)):
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
-        q = b.refresh(p, old_low, low)
+        q = b.load(group, i, unit, old_low)
         p1 = q
         if h.weight_decay != 0:
             if h.decoupled:
                 p1 = q * decay
             else:
                 g = g + q * wd
+        m, v = b.widen(m0, md), b.widen(v0, md)
         m1 = b.keep(skip, m, m + w1 * (g - m))
         v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
-        vm1 = None if vm is None else b.keep(skip, vm, vm.max(v1))
+        vm1 = None
+        if vm0 is not None:
+            vm = b.widen(vm0, md)
+            vm1 = b.keep(skip, vm, vm.max(v1))
         vd = v1 if vm1 is None else vm1
         c2 = (-((s1 * ln_b2).expm1())).sqrt()
         c1 = (one / (s1 * ln_b1).expm1()) * lr
         denom = ((vd.sqrt() / c2) + eps) / c1
-        p2 = b.keep(skip, p, p1 + m1 / denom)
-        new = [p2, m1, v1] + ([vm1] if vm1 is not None else []) + [s1]
-        outs.extend(new + b.round_out(skip, old_low, p2, low))
+        master = b.store(skip, group, i, unit, p1 + m1 / denom)
+        new = [b.narrow(skip, m0, m1, md), b.narrow(skip, v0, v1, md)]
+        if vm1 is not None:
+            new.append(b.narrow(skip, vm0, vm1, md))
+        outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
     return b.xb.Op.tuple(outs).build("mpfunc_adam")
 
 
@@ -503,41 +733,45 @@ class _SGDHyper(NamedTuple):
 
 
 def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
-    """The computation of one SGD step over ``group``: op for op ``_sgd._foreach``.
+    """The computation of one SGD step over ``group``: op for op ``_sgd._foreach`` between
+    the strategy's and state format's loads and stores (as ``_build_adam``).
 
     The buffer starts at zero and the first step is told apart on the device: the
     gradient's coefficient is ``1 - dampening * min(step, 1)``.
     """
     b = _B("mpfunc_sgd")
     f32 = torch.float32
-    state, L = b.state_params(group, 3 if h.momentum != 0 else 2)
-    B = state[1] if h.momentum != 0 else [None] * len(state[0])
+    n_moments = 1 if h.momentum != 0 else 0
+    units, moments, S, L = b.fields(group, n_moments)
+    md = b.moment_dtype(group, n_moments)
+    B = moments[0] if h.momentum != 0 else [None] * len(S)
     G = b.grad_params(group)
     _, skip_kind, scaled = shared
     lr = b.param((), f32)
     skip = b.skip(skip_kind)
-    ins = list(zip(state[0], b.unscale(G, scaled), B, state[-1]))
+    ins = list(zip(units, b.unscale(G, scaled), B, S, L))
 
     one = b.f32(1.0)
     mom, wd, neg_damp = b.f32(h.momentum), b.f32(h.weight_decay), b.f32(-h.dampening)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, buf, s), low, old_low in zip(ins, lows, L):
+    for i, ((unit, g, buf0, s, old_low), low) in enumerate(zip(ins, lows)):
         if h.maximize:
             g = -g
-        q = b.refresh(p, old_low, low)
+        q = b.load(group, i, unit, old_low)
         if h.weight_decay != 0:
             g = g + q * wd
-        buf1 = None
-        if buf is not None:
+        new = []
+        if buf0 is not None:
+            buf = b.widen(buf0, md)
             # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
             coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
             buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
             g = g + buf1 * mom if h.nesterov else buf1
-        p1 = b.keep(skip, p, q - g * lr)
+            new.append(b.narrow(skip, buf0, buf1, md))
+        master = b.store(skip, group, i, unit, q - g * lr)
         s1 = b.keep(skip, s, s + one)
-        new = [p1] + ([buf1] if buf1 is not None else []) + [s1]
-        outs.extend(new + b.round_out(skip, old_low, p1, low))
+        outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
     return b.xb.Op.tuple(outs).build("mpfunc_sgd")
 
 
@@ -549,15 +783,16 @@ class _LionHyper(NamedTuple):
 
 
 def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
-    """The computation of one Lion step over ``group``: op for op ``_lion._foreach``.
+    """The computation of one Lion step over ``group``: op for op ``_lion._foreach`` between
+    the strategy's and state format's loads and stores (as ``_build_adam``).
 
     torch_xla lowers ``lerp`` to ``m + w * (g - m)`` and ``sign`` to XLA's sign with NaN
     mapped to 0 (as torch's ``sign``), and both are written that way here.
     """
     b = _B("mpfunc_lion")
     f32 = torch.float32
-    state, L = b.state_params(group, 3)
-    P, M, S = state
+    units, (M,), S, L = b.fields(group, 1)
+    md = b.moment_dtype(group, 1)
     G = b.grad_params(group)
     lr_kind, skip_kind, scaled = shared
     lr = b.param((), f32)
@@ -565,24 +800,25 @@ def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
     if h.weight_decay != 0 and decay is None:
         decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
     skip = b.skip(skip_kind)
-    ins = list(zip(P, b.unscale(G, scaled), M, S))
+    ins = list(zip(units, b.unscale(G, scaled), M, S, L))
 
     one = b.f32(1.0)
     w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
-    for (p, g, m, s), low, old_low in zip(ins, lows, L):
+    for i, ((unit, g, m0, s, old_low), low) in enumerate(zip(ins, lows)):
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)
-        q = b.refresh(p, old_low, low)
+        q = b.load(group, i, unit, old_low)
         p1 = q * decay if h.weight_decay != 0 else q
+        m = b.widen(m0, md)
         c = m + w1 * (g - m)
         direction = b.sign(c)
-        p2 = b.keep(skip, p, p1 - direction * lr)
+        master = b.store(skip, group, i, unit, p1 - direction * lr)
         m1 = b.keep(skip, m, m + w2 * (g - m))
-        new = [p2, m1, s1]
-        outs.extend(new + b.round_out(skip, old_low, p2, low))
+        new = [b.narrow(skip, m0, m1, md), s1]
+        outs.extend(master + new + b.round_out(skip, old_low, master[0], low))
     return b.xb.Op.tuple(outs).build("mpfunc_lion")
 
 
@@ -615,11 +851,13 @@ def adam_xla_(
     The same bits as ``mpfunc._adam._foreach`` (and the same state), in place.
 
     Args:
-      params: fp32 masters, updated in place.
+      params: fp32 masters, or the units of one master strategy (``PARAM_DTYPES``: their
+        param and buffer are loaded and stored inside, as the strategy does), updated in
+        place.
       grads: grads shaped like ``params``, of any floating dtype (widened to fp32 inside,
         exactly as ``grads_to_fp32_`` would).
-      exp_avg, exp_avg_sq, max_exp_avg_sq: the moments (``max_exp_avg_sq`` is read only
-        with ``amsgrad``; pass ``None`` otherwise).
+      exp_avg, exp_avg_sq, max_exp_avg_sq: the moments, all float32 or all bfloat16
+        (``max_exp_avg_sq`` is read only with ``amsgrad``; pass ``None`` otherwise).
       steps: 0-d float32 step counts, one per leaf, incremented unless skipped.
       lr: a float, or a 0-d float32 tensor on the device (changing it never recompiles).
       beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``mpfunc.adam``.
@@ -627,9 +865,9 @@ def adam_xla_(
         (nonzero), masters, moments and steps keep their exact bits, with no host read.
       grad_scale: ``None``, or the loss scale (a float or a 0-d float32 device tensor):
         the widened grads are divided by it first, as ``grads_to_fp32_(scale=)`` does.
-      model_params: ``None``, or one floating tensor per leaf that receives the master
-        after the step rounded to its dtype (round to nearest even), as
-        ``masters_to_model_`` writes it; where the step is skipped it keeps its bits.
+      model_params: ``None``, or (fp32 masters only) one floating tensor per leaf that
+        receives the master after the step rounded to its dtype (round to nearest even),
+        as ``masters_to_model_`` writes it; where the step is skipped it keeps its bits.
 
     Raises:
       TypeError, ValueError: a list's length, a tensor's dtype, shape or device, or ``lr``,
@@ -655,8 +893,7 @@ def adam_xla_(
     group = _gather(fn, params, grads, moments, steps, model_params)
     decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
     shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    fields = [params, *(seq for _, seq in moments), steps]
-    _run("adam", h, group, shared, _build_adam, fields, model_params)
+    _run("adam", h, group, shared, _build_adam)
 
 
 def sgd_xla_(
@@ -699,8 +936,7 @@ def sgd_xla_(
         moments.append(("momentum_buffer", momentum_buffer))
     group = _gather(fn, params, grads, moments, steps, model_params)
     shared = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
-    fields = [params, *(seq for _, seq in moments), steps]
-    _run("sgd", h, group, shared, _build_sgd, fields, model_params)
+    _run("sgd", h, group, shared, _build_sgd)
 
 
 def lion_xla_(
@@ -736,4 +972,4 @@ def lion_xla_(
     group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params)
     decay = h.weight_decay if h.weight_decay != 0 else None
     shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    _run("lion", h, group, shared, _build_lion, [params, exp_avg, steps], model_params)
+    _run("lion", h, group, shared, _build_lion)
