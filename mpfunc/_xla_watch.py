@@ -39,8 +39,9 @@ __all__ = [
 ]
 
 # Steps in a row that add to one pending graph before the warning: a loop that syncs
-# every few steps on purpose stays quiet, a forgotten sync is named by the fifth step.
-PENDING_STEPS = 4
+# every few steps on purpose (a short test that syncs once at its end) stays quiet; a
+# forgotten sync is named at the eleventh step, while the graph is still small.
+PENDING_STEPS = 10
 
 
 class HostReadWarning(RuntimeWarning):

@@ -106,8 +106,8 @@ def unwarned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_loop_without_sync_warns_once(xla_device: torch.device, inplace: bool,
                                         unwarned: None) -> None:  # fmt: skip
     """No torch_xla.sync() in the loop: every step adds to one pending graph (30 such
-    steps took 123 s). The fifth step warns, once, naming the fix. Nothing is synced here,
-    so nothing compiles; the pending graph is dropped with its tensors."""
+    steps took 123 s). Step PENDING_STEPS + 1 warns, once, naming the fix. Nothing is
+    synced here, so nothing compiles; the pending graph is dropped with its tensors."""
     from mpfunc._xla_watch import PENDING_STEPS, PendingGraphWarning
 
     params = _leaves(xla_device)
