@@ -39,6 +39,7 @@ __all__ = [
     "Side",
     "check_dense",
     "check_leaf_dtypes",
+    "check_memory",
     "check_no_alias",
     "check_not_differentiated",
     "check_pairs",
@@ -745,6 +746,78 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
             return
         if end > reach:
             reach = end
+
+
+def check_memory(
+    fn: str,
+    fresh: Sequence[Side],
+    written: Sequence[Side],
+    read: Sequence[Side] = (),
+    *,
+    in_place: bool = True,
+) -> None:
+    """``check_storage`` of each side of ``fresh``, ``check_writable`` of them, then
+    ``check_no_alias(written=[*written, *fresh], read=read)``: sides of tensors only.
+
+    One pass reads each tensor once and decides the common case (every ``fresh`` tensor
+    contiguous at its storage's start, its storage holding it, writable in place; no two
+    byte ranges overlapping); on any doubt the three checks run in full, in that order, so
+    an error is the one they give. At 100,000 leaves of a few tensors each, the three
+    separate walks cost several seconds of attribute reads."""
+    if not _memory_common(fresh, (*written, *read), in_place):
+        for side in fresh:
+            check_storage(fn, side)
+        check_writable(fn, fresh, in_place=in_place)
+        check_no_alias(fn, written=[*written, *fresh], read=read)
+
+
+def _memory_common(fresh: Sequence[Side], others: Sequence[Side], in_place: bool) -> bool:
+    """Whether ``check_memory``'s checks surely pass (``False``: maybe not; check in full)."""
+    if compiling() or _dtensor.dtensor_type() is not None:
+        return False
+    inference = torch.is_inference_mode_enabled()
+    spans: list[tuple[int, int]] = []
+    add = spans.append
+    try:
+        for side in fresh:
+            for t in side.leaves:
+                if t is None:
+                    continue
+                if t.is_xla or t.is_meta or not t.is_contiguous() or t.storage_offset() != 0:
+                    return False
+                n = t.nbytes
+                if t.untyped_storage().nbytes() < n:
+                    return False
+                if in_place and (t.is_neg() or t.is_conj() or (not inference and t.is_inference())):
+                    return False
+                if n:
+                    start = t.data_ptr()
+                    add((start, start + n))
+        for side in others:
+            for t in side.leaves:
+                if t is None:
+                    continue
+                if t.is_xla or t.is_meta:
+                    return False
+                if t.is_contiguous():
+                    n = t.nbytes
+                    if n:
+                        start = t.data_ptr()
+                        add((start, start + n))
+                else:
+                    sp = _span(t)
+                    if sp[1] > sp[0]:
+                        add(sp)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return False  # (no storage, not a tensor): the full checks say what
+    spans.sort()
+    reach = -1
+    for start, end in spans:
+        if start < reach:
+            return False
+        if end > reach:
+            reach = end
+    return True
 
 
 def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:

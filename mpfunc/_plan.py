@@ -306,22 +306,30 @@ def _composed_fits(
         aux = m[1] if len(m) > 1 and s.name != "stochastic" else None
     if param is not None and param.dtype not in _NATIVE_IO:
         return None
+    # Runs per leaf in a step that plans in full: loops, not generators (100,000 leaves).
     first = stored[0]
     if isinstance(first, QState):
         fmt = 2
-        if not all(isinstance(x, QState) for x in stored):
-            return None
+        for x in stored:
+            if not isinstance(x, QState):
+                return None
+        tensors = [f, g, aux, param]
     elif isinstance(first, torch.Tensor) and first.dtype in (torch.float32, torch.bfloat16):
-        fmt = 0 if first.dtype == torch.float32 else 1
-        if not all(isinstance(x, torch.Tensor) and x.dtype == first.dtype for x in stored):
-            return None
+        dtype = first.dtype
+        fmt = 0 if dtype == torch.float32 else 1
+        for x in stored:
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+                return None
+        tensors = [f, g, aux, param, *stored]
     else:
         return None
     if s is None and fmt == 0:
         return None  # the fp32 kernel's own case (_native_fits)
-    tensors = [f, g, aux, param, *(x for x in stored if isinstance(x, torch.Tensor))]
     if fmt == 2 or (s is not None and s.name == "stochastic"):
-        return fmt if all(t is None or t.is_contiguous() for t in tensors) else None
+        for t in tensors:
+            if t is not None and not t.is_contiguous():
+                return None
+        return fmt
     return fmt if _same_layout(tensors) else None
 
 
@@ -629,13 +637,11 @@ def _plan_elementwise(
             for n, f in fields.items()
             for t in tensor_sides(Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True))
         ]
-        for side in sides:
-            _checks.check_storage(fn, side)
-        _checks.check_writable(fn, sides)
         written = tensor_sides(step.masters)
         if step.model is not None:
             written.append(step.model.where_present(step.masters.leaves))
-        _checks.check_no_alias(fn, written=[*written, *sides], read=[step.grads])
+        # check_storage and check_writable of the state, then no alias among all of it.
+        _checks.check_memory(fn, sides, written, [step.grads])
     masters, grads = step.masters.leaves, step.grads.leaves
     faces = step.faces if step.faces is not None else masters
     strategies = step.kinds if step.kinds is not None else [None] * len(masters)
@@ -735,7 +741,7 @@ def _decide(
         s = strategies[i]
         plain = s is None or s.unit is None
         compute = _compute_dtype(f, plain)
-        stored = [x for x in (mf[i] for mf in moments)]
+        stored = [mf[i] for mf in moments]
         if (
             impl in ("auto", "xla")
             and has_xla
