@@ -483,9 +483,13 @@ def _opened(leaves: list[Any]) -> list[Any]:
 def tensor_sides(side: Side) -> list[Side]:
     """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
     one per unit field, each keeping the unit's path."""
-    width = max([0, *(len(x) for x in side.leaves if isinstance(x, tuple))])
+    leaves = side.leaves
+    units = [len(x) for x in leaves if isinstance(x, tuple)]
+    width = max([0, *units])
     if width == 0:
         return [side]
+    if len(units) == len(leaves) and min(units) == width:  # every leaf a unit of one width
+        return [side._replace(leaves=list(column)) for column in zip(*leaves)]
     out = []
     for j in range(width):
         leaves = [

@@ -69,9 +69,14 @@ def buffer_problem(
 ) -> str | None:
     """What is wrong with a unit's buffer: not ``dtype``, or not shaped like (or, with
     ``scalar``, a 0-d tensor beside) its param on the param's device."""
-    shape = () if scalar else tuple(param.shape)
-    if buf.dtype == dtype and tuple(buf.shape) == shape and buf.device == param.device:
+    # (Per leaf of every check of masters: torch.Size compares with a tuple, no copies.)
+    if (
+        buf.dtype == dtype
+        and buf.shape == (() if scalar else param.shape)
+        and buf.device == param.device
+    ):
         return None
+    shape = () if scalar else tuple(param.shape)
     want = f"a 0-d {dtype}" if scalar else f"{dtype} {shape}"
     return (
         f"its {name} is {buf.dtype} {tuple(buf.shape)} on {buf.device}, not {want} on "
@@ -213,9 +218,12 @@ def _explain(fn: str, side: _checks.Side) -> None:
 def unit_problem(leaf: Any) -> str | None:
     """What is wrong with a master unit's tensors, if anything."""
     s = _BY_UNIT[type(leaf)]
-    for name, t in zip(leaf._fields, leaf):
-        if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
-            return f"its {name} is {_checks.describe(t)}, not a dense tensor"
+    Tensor, strided = torch.Tensor, torch.strided
+    for t in leaf:
+        if not isinstance(t, Tensor) or t.layout is not strided:
+            for name, t in zip(leaf._fields, leaf):
+                if not isinstance(t, Tensor) or t.layout is not strided:
+                    return f"its {name} is {_checks.describe(t)}, not a dense tensor"
     return s.check(leaf)
 
 
