@@ -31,6 +31,8 @@ full disk or a killed link) is built again, and concurrent builds wait on torch'
 it cannot be built or loaded, mpfunc uses torch's kernels instead and warns once per
 process (``NativeFallbackWarning``); ``MPFUNC_NATIVE=0`` turns it off without a warning.
 ``python -m mpfunc._native`` builds it ahead of time and prints where and how long.
+
+See docs/design.md#the-native-cpu-pass.
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ elementwise ops, one block reduction and 256-entry table gathers, with no ``aten
 fallback, and gives the same bits on the CPU and on XLA:CPU (given the same noise).
 Subnormal inputs and results read as zero on every device, because XLA:CPU flushes
 them and the CPU does not.
+
+See docs/design.md#the-8-bit-moment-codec.
 """
 
 from __future__ import annotations

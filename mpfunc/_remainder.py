@@ -53,6 +53,8 @@ shapes and called with ``torch_xla._XLAC._xla_user_computation``: one node, no h
 transfer, no ``aten::`` fallback. (torch_xla 2.9 on XLA:CPU canonicalizes bf16 NaN
 payloads written into a *view* with ``copy_``; a NaN param that is a view keeps its
 NaN-ness and sign but not its payload there. Nothing else is changed.)
+
+See docs/design.md#the-remainder-encoding.
 """
 
 from __future__ import annotations

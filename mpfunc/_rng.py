@@ -13,6 +13,8 @@ and for every memory layout (the index is the logical, row-major one).
 
 All arithmetic is int32 and wraps modulo 2**32 (two's complement, as torch's integer
 kernels and XLA do); right shifts are made logical with a mask.
+
+See docs/design.md#the-stochastic-rng-and-rounding.
 """
 
 from __future__ import annotations

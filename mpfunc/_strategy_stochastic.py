@@ -13,6 +13,8 @@ on every device and layout. NaN stays NaN, inf stays inf, and a value above bf16
 largest finite rounds up to inf with the same probability rule. On XLA the bit
 operations are one computation per list of shapes (``BitcastConvert``; torch_xla 2.9
 runs ``view(dtype)`` on the host), with no host sync.
+
+See docs/design.md#the-stochastic-rng-and-rounding.
 """
 
 from __future__ import annotations

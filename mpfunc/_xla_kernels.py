@@ -52,6 +52,8 @@ What this path does not take (callers keep the foreach path for it): fp64 master
 8-bit moments (``state_dtype=torch.uint8``), ``stats=``, tensors on different devices
 within one call, and anything but one lr and one skip flag per call. torch_xla is
 imported on first use only.
+
+See docs/design.md#the-xla-one-node-kernels.
 """
 
 from __future__ import annotations
