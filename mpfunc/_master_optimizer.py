@@ -100,6 +100,11 @@ def _entry(state: Any, j: int, master: Any) -> dict[str, Any]:
     return entry
 
 
+def _version(m: Any) -> int:
+    """An "fp32" master's version counter; -1 for none or another strategy's unit."""
+    return m._version if isinstance(m, torch.Tensor) else -1
+
+
 def _extend(state: Any, n: int) -> None:
     """Appends ``n`` empty (``None``) slots to every field of an elementwise state whose
     trees are flat lists: the new group's leaves belong to another label."""
@@ -197,6 +202,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._masters: list[torch.Tensor | None] = []
         self._labels: list[str | None] = []
         self._versions: list[int] = []
+        self._master_versions: list[int] = []  # of "fp32" masters: written through opt.state?
         # The dict put in self.state[param] and its entries then, to notice what a user
         # replaced there (None: no master, no state).
         self._linked: list[tuple[dict[str, Any], tuple[str, ...], tuple[Any, ...]] | None] = []
@@ -304,6 +310,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._masters += masters
         self._labels += [None if m is None else label for m in masters]
         self._versions += [p._version for p in params]
+        self._master_versions += [_version(m) for m in masters]
         self._linked += [None] * n
         for state in self._states.values():
             _extend(state, n)
@@ -391,6 +398,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             else:  # a strategy's buffer (a remainder, a compensation, a seed)
                 m = m._replace(**{k: new})
         self._masters[j] = m
+        self._master_versions[j] = _version(m)
         self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
 
     def state_dict(self) -> dict[str, Any]:
@@ -477,6 +485,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         m, fresh = self._made(j) if made is None else made
         self._masters[j], self._labels[j] = m, label
         self._versions[j] = p._version
+        self._master_versions[j] = _version(m)
         state = self._states[label]
         for name in state._fields:
             field = getattr(state, name)
@@ -484,6 +493,20 @@ class MasterOptimizer(torch.optim.Optimizer):
                 field[j] = getattr(fresh, name)[j]
         self._link(j)
         self._opt = None
+
+    def _round_written_masters(self) -> None:
+        """An "fp32" master written in place (``opt.state[p]["master"].mul_(2)``, a load)
+        while its param was not is rounded into the param now: the step takes a param that
+        differs from its master's rounding as the truth, and would undo the write. (A
+        param written too wins, as a write to the model does.)"""
+        for j, (p, m) in enumerate(zip(self._params, self._masters)):
+            if not isinstance(m, torch.Tensor) or m._version == self._master_versions[j]:
+                continue
+            if p._version == self._versions[j]:
+                with torch.no_grad(), _sharding.kept([p]):
+                    p.detach().copy_(m)
+                self._versions[j] = p._version
+            self._master_versions[j] = m._version
 
     def _resync(self) -> None:
         """Masters of params written outside the optimizer take the params' new values,
@@ -532,15 +555,18 @@ class MasterOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             inf = found_inf != 0
             skip = inf if skip is None else torch.logical_or(skip, inf.to(skip.device))
+        self._round_written_masters()
         self._resync()
         grads = [None if m is None else p.grad for p, m in zip(self._params, self._masters)]
         if all(g is None for g in grads):
+            self._master_versions = [_version(m) for m in self._masters]
             return loss  # no param has a grad: nothing to step, as in torch.optim
         # One pass: grads upcast (and unscaled) inside the step, params written back.
         apply_update_(
             self._masters, grads, self._states, opt, skip=skip, params=self._params, scale=scale
         )
         self._versions = [p._version for p in self._params]
+        self._master_versions = [_version(m) for m in self._masters]
         return loss
 
     # --- checkpoints ----------------------------------------------------------------------

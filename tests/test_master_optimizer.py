@@ -553,6 +553,8 @@ def test_state_writes_are_the_state_as_in_torch_optim() -> None:
     step_both(1)
     for o, ps in ((opt, params), (ref_opt, ref)):
         o.state[ps[0]]["exp_avg_sq"].zero_()
+        with torch.no_grad():  # the master written in place (torch.optim: the param itself)
+            (o.state[ps[0]]["master"] if o is opt else ps[0]).mul_(-2.0)
         o.state[ps[1]]["exp_avg"] = torch.zeros_like(o.state[ps[1]]["exp_avg"])
         o.state[ps[2]]["step"] = torch.zeros_like(o.state[ps[2]]["step"])
     assigned = opt.state[params[1]]["exp_avg"]
