@@ -154,8 +154,8 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     ``opt.state`` is the live state, as in torch.optim: what the next ``step()`` uses and
     ``state_dict()`` saves. An entry written in place (``opt.state[p]["exp_avg"].zero_()``)
-    or replaced by a tensor like it (``= torch.zeros_like(...)``; a replaced ``"master"``
-    is rounded into the param at once) is taken up; ``opt.state[p] = {}`` or
+    or replaced by a tensor like it (``= torch.zeros_like(...)``) is taken up, and a
+    ``"master"`` written so is rounded into its param; ``opt.state[p] = {}`` or
     ``opt.state.clear()`` starts those params afresh (step 0, zero moments, masters from
     the params). A replacement of another dtype, shape or device, or an entry with other
     keys, is refused before anything is written.
