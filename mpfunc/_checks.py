@@ -352,7 +352,7 @@ def _func_transform_active() -> bool:
     return level is not None and level() is not None
 
 
-def check_not_differentiated(fn: str, side: Side) -> None:
+def check_not_differentiated(fn: str, side: Side, of: Callable[[Any], Any] | None = None) -> None:
     """Refuses tensors that a torch.func transform is differentiating. mpfunc's results are
     detached, so ``torch.func.grad`` through a transform would return all-zero grads
     with no error (and such wrappers have no memory for the alias checks to read, even
@@ -361,7 +361,8 @@ def check_not_differentiated(fn: str, side: Side) -> None:
     if not _func_transform_active():
         return
     tracked = torch._C._functorch.is_gradtrackingtensor
-    for i, t in enumerate(side.leaves):
+    # ``of``: what of each leaf to check (a unit's param), read only here, in a transform.
+    for i, t in enumerate(side.leaves if of is None else map(of, side.leaves)):
         if t is not None and tracked(t):
             fail(
                 TypeError, fn, side.path(i), "a tensor that no torch.func transform tracks",
@@ -439,9 +440,10 @@ def check_storage(fn: str, side: Side) -> None:
     holds no storage size.)"""
     if compiling():  # fake tensors: dynamo traces no storage
         return
+    plain = _dtensor.dtensor_type() is None  # (asked once, not per unit)
     for i, t in enumerate(_dtensor.locals_(side.leaves)):
         if t is None or isinstance(t, tuple) or t.is_xla:  # (XLA: no memory to free)
-            if isinstance(t, tuple) and not all(map(_holds, _dtensor.locals_(t))):
+            if isinstance(t, tuple) and not all(map(_holds, t if plain else _dtensor.locals_(t))):
                 _storage_error(fn, side.path(i), t)
             continue
         try:  # the common case, sure and cheap: a contiguous tensor at a storage's start

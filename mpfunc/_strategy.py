@@ -186,7 +186,7 @@ def master_leaves(fn: str, name: str, tree: Any) -> tuple[_checks.Side, Any]:
             continue
         _explain(fn, side)
     _checks.check_storage(fn, side)
-    _checks.check_not_differentiated(fn, side._replace(leaves=[face(x) for x in leaves]))
+    _checks.check_not_differentiated(fn, side, face)
     return side, spec
 
 
