@@ -201,7 +201,7 @@ def _xla(group: Group, h: AdamHyper) -> None:
         group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step,
         lr=group.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
         decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize, found_inf=group.skip,
-        grad_scale=group.scale, model_params=group.model,
+        grad_scale=group.scale, model_params=group.model, salts=group.salts,
     )  # fmt: skip
 
 

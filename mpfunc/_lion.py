@@ -94,6 +94,7 @@ def _xla(group: Group, h: LionHyper) -> None:
         group.params, group.grads, s.exp_avg, s.step, lr=group.lr, beta1=h.beta1,
         beta2=h.beta2, weight_decay=h.weight_decay, maximize=h.maximize,
         found_inf=group.skip, grad_scale=group.scale, model_params=group.model,
+        salts=group.salts,
     )  # fmt: skip
 
 

@@ -118,7 +118,7 @@ def _xla(group: Group, h: SGDHyper) -> None:
         group.params, group.grads, s.momentum_buffer, s.step, lr=group.lr,
         momentum=h.momentum, dampening=h.dampening, weight_decay=h.weight_decay,
         nesterov=h.nesterov, maximize=h.maximize, found_inf=group.skip,
-        grad_scale=group.scale, model_params=group.model,
+        grad_scale=group.scale, model_params=group.model, salts=group.salts,
     )  # fmt: skip
 
 

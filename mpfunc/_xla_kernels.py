@@ -169,7 +169,7 @@ def _run(
     per output field; the results come leaf-major: leaf 0's fields, then leaf 1's, ...)."""
     inputs, shared_key = shared
     key: tuple[Any, ...] = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes)
-    key += (group.low_dtypes, group.strategy, group.types)
+    key += (group.low_dtypes, group.strategy, group.types, group.salts)
     with _lock:
         comp = _cache.get(key)
     if comp is None:
@@ -217,7 +217,9 @@ class _Leaves(NamedTuple):
     (the fp32 master, or a unit's param and its buffer), moments, step counts, and the
     model params), ordered by torch_xla tensor id, then the grads (leaf order). ``order``
     says which (field, leaf) each state parameter is: ``field * n + leaf``. ``types`` gives
-    each state field's dtype per leaf, ``scalar`` whether the field is 0-d.
+    each state field's dtype per leaf, ``extents`` each field's shape: ``"face"`` (the
+    master's), ``"scalar"`` (0-d) or ``"blocks"`` (one per 32-element block: 8-bit scales).
+    ``salts``: each leaf's place in the tree (its 8-bit draws' salt), or ``None``.
 
     Why the order: torch_xla donates the buffers of rewritten tensors, and XLA's
     ``OptimizeInputOutputBufferAlias`` pairs donated parameters with outputs by byte size,
@@ -237,8 +239,9 @@ class _Leaves(NamedTuple):
     device: torch.device
     strategy: str
     types: tuple[tuple[torch.dtype, ...], ...]
-    scalar: tuple[bool, ...]
+    extents: tuple[str, ...]
     dests: list[list[torch.Tensor]]
+    salts: Optional[tuple[int, ...]]
 
 
 def _by_tensor_id(state: Sequence[torch.Tensor]) -> list[int]:
@@ -268,6 +271,7 @@ def _gather(
     moments: Sequence[tuple[str, Sequence[Optional[torch.Tensor]]]],
     steps: Sequence[torch.Tensor],
     model_params: Optional[Sequence[Optional[torch.Tensor]]],
+    salts: Optional[Sequence[int]] = None,
 ) -> _Leaves:
     """Checks a group (every check before any write) and lays out its inputs.
 
@@ -292,7 +296,25 @@ def _gather(
     if group is None:
         _explain(fn, strategy, params, grads, moments, steps, model_params)
     assert group is not None
+    if group.types and torch.uint8 in _moment_kinds(moments):
+        if salts is None or len(salts) != n:
+            raise ValueError(
+                f"{fn}: salts: expected {n} ints (each leaf's place in the tree: 8-bit "
+                f"moments draw with it), got {salts!r}"
+            )
+        group = group._replace(salts=tuple(int(x) for x in salts))
     return group
+
+
+def _moment_kinds(moments: Sequence[tuple[str, Sequence[Any]]]) -> set[Optional[torch.dtype]]:
+    """The moments' stored dtypes: ``torch.uint8`` stands for an 8-bit ``QState``."""
+    from mpfunc._quantize import QState
+
+    return {
+        torch.uint8 if isinstance(t, QState) else getattr(t, "dtype", None)
+        for _, seq in moments
+        for t in seq
+    }
 
 
 def _layout(
@@ -327,11 +349,32 @@ def _layout(
             (_SCALAR if aux_scalar else s, d if aux_dtype is None else aux_dtype, dev)
             for (s, dev), d in zip(psig, ptypes)
         ]
-    mdtype = getattr(moments[0][1][0], "dtype", None) if moments else torch.float32
-    ok = ok and mdtype in _MOMENT_DTYPES
-    msig = [(s, mdtype, dev) for s, dev in psig]
-    ok = ok and all(isinstance(t, Tensor) for _, seq in moments for t in seq)
-    ok = ok and all([(t.shape, t.dtype, t.device) for t in seq] == msig for _, seq in moments)  # type: ignore[union-attr]
+    kinds = _moment_kinds(moments) if moments else {torch.float32}
+    ok = ok and len(kinds) == 1 and kinds <= {*_MOMENT_DTYPES, torch.uint8}
+    mdtype = next(iter(kinds))
+    held: list[list[Any]] = [list(seq) for _, seq in moments]
+    extents = ["face"] * len(moments)
+    if ok and mdtype == torch.uint8:
+        from mpfunc import _quantize
+
+        codes = [[q.codes for q in seq] for seq in held]
+        scales = [[q.scale for q in seq] for seq in held]
+        ok = all(isinstance(t, Tensor) for f in (*codes, *scales) for t in f)
+        for c, sc in zip(codes, scales):
+            signed = c[0].dtype if ok else None
+            ok = ok and signed in (torch.int8, torch.uint8)
+            ok = ok and [(t.shape, t.dtype, t.device) for t in c] == [
+                (s, signed, dev) for s, dev in psig
+            ]
+            bf16 = _quantize.SCALE_DTYPE
+            ok = ok and [(t.shape, t.dtype, t.device) for t in sc] == [
+                ((_quantize.blocks(math.prod(s)),), bf16, dev) for s, dev in psig
+            ]
+        held = [f for pair in zip(codes, scales) for f in pair]
+        extents = ["face", "blocks"] * len(moments)
+    elif ok:
+        msig = [(s, mdtype, dev) for s, dev in psig]
+        ok = all([(t.shape, t.dtype, t.device) for t in seq] == msig for seq in held)
     f32 = torch.float32
     ok = ok and all(isinstance(t, Tensor) for t in steps)
     ok = ok and [(t.shape, t.dtype, t.device) for t in steps] == [(_SCALAR, f32, device)] * n
@@ -351,17 +394,18 @@ def _layout(
             )
     if not ok:
         return None
-    dests: list[list[Any]] = [*unit, *([*seq] for _, seq in moments), list(steps)]
+    dests: list[list[Any]] = [*unit, *held, list(steps)]
     model: list[list[Any]] = [list(model_params)] if low_dtypes and model_params else []
     state = [t for seq in (*dests, *model) for t in seq]
     order = _by_tensor_id(state)
     inputs = [state[k] for k in order] + list(grads)
     shapes = tuple(s for s, _ in psig)
     types = tuple(tuple(t.dtype for t in f) for f in dests)
-    scalar = (False, *([aux_scalar] if len(unit) > 1 else []), *([False] * len(moments)), True)
+    aux = ["scalar" if aux_scalar else "face"] if len(unit) > 1 else []
+    extents = ["face", *aux, *extents, "scalar"]
     dests += model
-    layout = (tuple(order), shapes, grad_dtypes, low_dtypes, device, strategy, types, scalar)
-    return _Leaves(inputs, *layout, dests)
+    layout = (tuple(order), shapes, grad_dtypes, low_dtypes, device, strategy, types)
+    return _Leaves(inputs, *layout, tuple(extents), dests, None)
 
 
 def _explain(
@@ -395,6 +439,11 @@ def _explain(
     first = params[0]
     device = getattr(first if strategy == "fp32" else first[0], "device", None)
     mdtype = getattr(moments[0][1][0], "dtype", None) if moments else torch.float32
+    if _moment_kinds(moments[:1]) == {torch.uint8}:
+        raise ValueError(
+            f"{fn}: 8-bit moments: expected every moment a QState of int8 or uint8 codes and "
+            "bf16 block scales, shaped as opt.init makes them"
+        )
     if mdtype not in _MOMENT_DTYPES:
         where(moments[0][0], 0, "a float32 or bfloat16 moment", desc(moments[0][1][0]), TypeError)
     for i, x in enumerate(params):
@@ -458,6 +507,12 @@ def _explain(
 _GOLDEN, _M1, _M2 = -1640531535, -2048144789, -1028477387
 
 
+def _wrap(v: int) -> int:
+    """A Python int as the int32 with the same low 32 bits (``_rng._wrap``)."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 class _B:
     """A small helper around one ``xla_builder`` computation: parameters in order, fp32
     constants, casts, and each master strategy's and state format's load and store."""
@@ -466,7 +521,8 @@ class _B:
         self.xb = _xb()
         self.builder = self.xb.create_builder(name)
         self.n = 0
-        self._consts: dict[tuple[str, float], Any] = {}
+        self._consts: dict[tuple[Any, ...], Any] = {}
+        self._signed: dict[int, bool] = {}  # id of an 8-bit codes parameter -> its map
 
     def param(self, shape: Sequence[int], dtype: torch.dtype) -> Any:
         op = self.xb.mkparam(self.builder, self.n, self.xb.mkshape(_type(dtype), tuple(shape)))
@@ -503,14 +559,31 @@ class _B:
                 assert group.low_dtypes is not None
                 ops[field][leaf] = self.param(group.shapes[leaf], group.low_dtypes[leaf])
                 continue
-            shape = () if group.scalar[field] else group.shapes[leaf]
-            ops[field][leaf] = self.param(shape, group.types[field][leaf])
-        u = n_fields - n_moments - 1
+            extent = group.extents[field]
+            shape: Sequence[int] = group.shapes[leaf]
+            if extent == "scalar":
+                shape = ()
+            elif extent == "blocks":
+                shape = (-(-math.prod(shape) // 32),)
+            dtype = group.types[field][leaf]
+            ops[field][leaf] = op = self.param(shape, dtype)
+            if dtype in (torch.int8, torch.uint8):
+                self._signed[id(op)] = dtype == torch.int8
+        width = 2 if self.moment_dtype(group, n_moments) == torch.uint8 else 1
+        u = n_fields - width * n_moments - 1
         units = [list(x) for x in zip(*ops[:u])]
-        return units, ops[u : u + n_moments], ops[n_fields - 1], ops[n_fields]
+        moments = ops[u : n_fields - 1]
+        if width == 2:  # 8-bit: (codes, scales) per leaf
+            moments = [list(zip(c, sc)) for c, sc in zip(moments[0::2], moments[1::2])]
+        return units, moments, ops[n_fields - 1], ops[n_fields]
 
     def moment_dtype(self, group: _Leaves, n_moments: int) -> torch.dtype:
-        return group.types[-2][0] if n_moments and group.shapes else torch.float32
+        """The moments' stored dtype (``torch.uint8``: 8-bit ``QState``s)."""
+        if not n_moments or not group.shapes:
+            return torch.float32
+        if group.extents[-2] == "blocks":
+            return torch.uint8
+        return group.types[-2][0]
 
     def load(self, group: _Leaves, i: int, unit: list[Any], old_low: Any) -> Any:
         """The fp32 value leaf ``i``'s step starts from, as its strategy's ``load`` gives it
@@ -549,16 +622,146 @@ class _B:
         comp = self.to(x - self.to(param, dtype, f32), f32, dtype)  # Kahan's store
         return [self.keep(skip, unit[0], param), self.keep(skip, unit[1], comp)]
 
-    def widen(self, m: Any, dtype: torch.dtype) -> Any:
-        """A stored moment in fp32 (``_state_format.load``)."""
+    def widen(self, m: Any, dtype: torch.dtype, shape: Sequence[int] = ()) -> Any:
+        """A stored moment in fp32 (``_state_format.load``; 8-bit: ``_quantize._decode``)."""
+        if dtype == torch.uint8:
+            return self.decode(m[0], m[1], shape)
         return self.to(m, dtype, torch.float32)
 
-    def narrow(self, skip: Any, old: Any, new: Any, dtype: torch.dtype) -> Any:
-        """A moment's output: ``new`` (already kept) in fp32 state, else rounded to nearest
-        even with the old stored bits where skipped (``_state_format.store``)."""
+    def narrow(
+        self,
+        skip: Any,
+        old: Any,
+        new: Any,
+        dtype: torch.dtype,
+        draw: Optional[tuple[Any, int, Sequence[int]]] = None,
+    ) -> list[Any]:
+        """A moment's outputs: ``new`` (already kept) in fp32 state, else rounded to nearest
+        even with the old stored bits where skipped (``_state_format.store``); 8-bit: the
+        codes and scales of ``_quantize._encode``, a second moment (unsigned codes) rounded
+        stochastically with ``draw`` = (the step count after the step, the leaf's salt,
+        its shape), as ``_state_format.store`` draws."""
         if dtype == torch.float32:
-            return new
-        return self.keep(skip, old, self.to(new, torch.float32, dtype))
+            return [new]
+        if dtype != torch.uint8:
+            return [self.keep(skip, old, self.to(new, torch.float32, dtype))]
+        assert draw is not None
+        codes, scale = old
+        signed = self._signed[id(codes)]
+        step, salt, shape = draw
+        noise = None
+        if not signed:
+            key = self.mix(step.cast("s32") * self.s32(_GOLDEN) + self.s32(_wrap(salt)))
+            noise = self.uniform(key, shape)
+        c, sc = self.encode(new, signed, noise, shape)
+        return [self.keep(skip, codes, c), self.keep(skip, scale, sc)]
+
+    # --- the 8-bit codec (_quantize), on one leaf's elements in row-major order ---------
+
+    def _table(self, signed: bool) -> Any:
+        from mpfunc import _quantize
+
+        k = ("table", signed)
+        if k not in self._consts:
+            self._consts[k] = self.xb.Op.constant(self.builder, _quantize._TABLE_CPU[signed])
+        return self._consts[k]
+
+    def lookup(self, signed: bool, idx: Any, n: int) -> Any:
+        """The decode table at s32 indices ``idx`` of shape ``(n,)`` (``index_select``)."""
+        dims = {"offset_dims": [], "collapsed_slice_dims": [0], "start_index_map": [0]}
+        operands = (self._table(signed).op, idx.reshape([n, 1]).op)
+        return self.xb.mkop("Gather", operands, index_vector_dim=1, slice_sizes=[1], **dims)
+
+    def abs(self, x: Any) -> Any:
+        return self.xb.mkop("Abs", (x.op,))
+
+    def flush(self, x: Any) -> Any:
+        """``_quantize._flush``: magnitudes below fp32's smallest normal read as 0."""
+        return (self.abs(x) < self.f32(2.0**-126)).select(x.zeros_like(), x)
+
+    def per_element(self, blocks: Any, n: int) -> Any:
+        """A per-block value ``(nb,)`` repeated for each of the ``n`` elements."""
+        nb = -(-n // 32)
+        return blocks.broadcast_in_dim([nb, 32], [0]).reshape([nb * 32]).slice_in_dim(0, n, 0)
+
+    def decode(self, codes: Any, scale: Any, shape: Sequence[int]) -> Any:
+        """``_quantize._decode``: ``scale * T[code]`` (squared for the unsigned map)."""
+        n = math.prod(shape)
+        signed = self._signed[id(codes)]
+        idx = codes.reshape([n]).cast("s32")
+        if signed:
+            idx = idx + self.s32(128)
+        vals = self.lookup(signed, idx, n)
+        s = scale.cast("f32")
+        if not signed:
+            s = s.max(self.f32(2.0**-126))
+        y = vals * self.per_element(s, n)
+        if not signed:
+            y = y * y
+        return self.flush(y).reshape(list(shape))
+
+    def rne(self, x: Any) -> Any:
+        """``torch.round`` (to nearest, ties to even) of moderate values, exactly: the builder
+        has no such op. ``x - floor(x)`` is exact."""
+        r = x.floor()
+        d = x - r
+        half = r * self.f32(0.5)
+        odd = half.floor() != half
+        up = (d > self.f32(0.5)) | ((d == self.f32(0.5)) & odd)
+        return up.select(r + self.f32(1.0), r)
+
+    def encode(self, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -> tuple[Any, Any]:
+        """``_quantize._encode`` of one leaf's fp32 values: its codes (the codes' dtype and
+        ``shape``) and bf16 block scales. Blocks are zero-padded, as ``_as_blocks`` pads."""
+        n = math.prod(shape)
+        nb = -(-n // 32)
+        tiny, zero, one = self.f32(2.0**-126), self.f32(0.0), self.f32(1.0)
+
+        def blocks(v: Any, dtype: str) -> Any:
+            flat = v.reshape([n])
+            if nb * 32 > n:
+                pad = self.xb.Op.scalar(self.builder, 0, dtype=dtype).broadcast([nb * 32 - n])
+                flat = self.xb.Op.concat_in_dim([flat, pad], 0, builder=self.builder)
+            return flat.reshape([nb, 32])
+
+        xb = blocks(x, "f32")
+        ok = (xb - xb) == zero  # isfinite
+        if not signed:
+            ok = ok & (xb > -tiny)
+        keep = ok & (self.abs(xb) >= tiny)
+        vals = keep.select(xb, xb.zeros_like())
+        if not signed:
+            vals = vals.sqrt()
+        amax = self.abs(vals).reduce(self.f32(-math.inf), lambda a, c: a.max(c), [1])
+        scale = amax.cast("bf16")
+        s = scale.cast("f32")
+        den = (s > zero).select(s, s.ones_like()).broadcast_in_dim([nb, 32], [0])
+        y = self.flush(vals / den)
+        t = (y + y) / (self.abs(y) + one)
+        levels, low = (127.0, -127.0) if signed else (254.0, 0.0)
+        if noise is None:
+            code = self.rne(t * self.f32(levels)).max(self.f32(low)).min(self.f32(levels))
+            code = code.cast("s32")
+        else:
+            lo = (t * self.f32(levels)).floor().max(self.f32(low)).min(self.f32(levels - 1))
+            lo = lo.cast("s32").reshape([nb * 32])
+            off = 128 if signed else 0
+            a = self.lookup(signed, lo + self.s32(off), nb * 32).reshape([nb, 32])
+            b = self.lookup(signed, lo + self.s32(off + 1), nb * 32).reshape([nb, 32])
+            value = y
+            if not signed:
+                value, a, b = self.flush(y * y), a * a, b * b
+            up = blocks(noise, "f32") < (value - a) / (b - a)
+            code = lo.reshape([nb, 32]) + up.cast("s32")
+        if not signed:
+            code = keep.select(code.max(self.s32(1)), code)
+        code = ok.select(code, code.scalar_like(-128 if signed else 255))
+        codes = code.reshape([nb * 32]).slice_in_dim(0, n, 0).reshape(list(shape))
+        return codes.cast("s8" if signed else "u8"), scale
+
+    def uniform(self, key: Any, shape: Sequence[int]) -> Any:
+        """``_rng.uniform(key, shape)``: 24 random bits per element, in [0, 1)."""
+        return self.shr(self.bits(key, shape), 8).cast("f32") * self.f32(2.0**-24)
 
     def shr(self, x: Any, n: int) -> Any:
         """Logical right shift of s32 values, as ``_rng._shr`` (a division of the non-negative
@@ -707,21 +910,23 @@ def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
                 p1 = q * decay
             else:
                 g = g + q * wd
-        m, v = b.widen(m0, md), b.widen(v0, md)
+        shape = group.shapes[i]
+        draw = (s1, group.salts[i] if group.salts else 0, shape)
+        m, v = b.widen(m0, md, shape), b.widen(v0, md, shape)
         m1 = b.keep(skip, m, m + w1 * (g - m))
         v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
         vm1 = None
         if vm0 is not None:
-            vm = b.widen(vm0, md)
+            vm = b.widen(vm0, md, shape)
             vm1 = b.keep(skip, vm, vm.max(v1))
         vd = v1 if vm1 is None else vm1
         c2 = (-((s1 * ln_b2).expm1())).sqrt()
         c1 = (one / (s1 * ln_b1).expm1()) * lr
         denom = ((vd.sqrt() / c2) + eps) / c1
         master = b.store(skip, group, i, unit, p1 + m1 / denom)
-        new = [b.narrow(skip, m0, m1, md), b.narrow(skip, v0, v1, md)]
+        new = b.narrow(skip, m0, m1, md, draw) + b.narrow(skip, v0, v1, md, draw)
         if vm1 is not None:
-            new.append(b.narrow(skip, vm0, vm1, md))
+            new += b.narrow(skip, vm0, vm1, md, draw)
         outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
     return b.xb.Op.tuple(outs).build("mpfunc_adam")
 
@@ -764,15 +969,17 @@ def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         if h.weight_decay != 0:
             g = g + q * wd
         new = []
+        s1 = b.keep(skip, s, s + one)
         if buf0 is not None:
-            buf = b.widen(buf0, md)
+            shape = group.shapes[i]
+            draw = (s1, group.salts[i] if group.salts else 0, shape)
+            buf = b.widen(buf0, md, shape)
             # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
             coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
             buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
             g = g + buf1 * mom if h.nesterov else buf1
-            new.append(b.narrow(skip, buf0, buf1, md))
+            new += b.narrow(skip, buf0, buf1, md, draw)
         master = b.store(skip, group, i, unit, q - g * lr)
-        s1 = b.keep(skip, s, s + one)
         outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
     return b.xb.Op.tuple(outs).build("mpfunc_sgd")
 
@@ -814,12 +1021,14 @@ def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
         s1 = b.keep(skip, s, s + one)
         q = b.load(group, i, unit, old_low)
         p1 = q * decay if h.weight_decay != 0 else q
-        m = b.widen(m0, md)
+        shape = group.shapes[i]
+        m = b.widen(m0, md, shape)
         c = m + w1 * (g - m)
         direction = b.sign(c)
         master = b.store(skip, group, i, unit, p1 - direction * lr)
         m1 = b.keep(skip, m, m + w2 * (g - m))
-        new = [b.narrow(skip, m0, m1, md), s1]
+        draw = (s1, group.salts[i] if group.salts else 0, shape)
+        new = [*b.narrow(skip, m0, m1, md, draw), s1]
         outs.extend(master + new + b.round_out(skip, old_low, master[0], low))
     return b.xb.Op.tuple(outs).build("mpfunc_lion")
 
@@ -846,6 +1055,7 @@ def adam_xla_(
     found_inf: Optional[torch.Tensor] = None,
     grad_scale: Optional[LR] = None,
     model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    salts: Optional[Sequence[int]] = None,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW step over same-device XLA tensors, traced as
     one node.
@@ -870,6 +1080,8 @@ def adam_xla_(
       model_params: ``None``, or (fp32 masters only) one floating tensor per leaf that
         receives the master after the step rounded to its dtype (round to nearest even),
         as ``masters_to_model_`` writes it; where the step is skipped it keeps its bits.
+      salts: with 8-bit moments (``QState``s), each leaf's place in the whole tree (the
+        salt of its second moment's draws, as ``_state_format.store`` takes it).
 
     Raises:
       TypeError, ValueError: a list's length, a tensor's dtype, shape or device, or ``lr``,
@@ -892,7 +1104,7 @@ def adam_xla_(
                 f"{fn}: max_exp_avg_sq: expected a list of tensors (amsgrad), got None"
             )
         moments.append(("max_exp_avg_sq", max_exp_avg_sq))
-    group = _gather(fn, params, grads, moments, steps, model_params)
+    group = _gather(fn, params, grads, moments, steps, model_params, salts)
     decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
     shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
     _run("adam", h, group, shared, _build_adam)
@@ -913,6 +1125,7 @@ def sgd_xla_(
     found_inf: Optional[torch.Tensor] = None,
     grad_scale: Optional[LR] = None,
     model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    salts: Optional[Sequence[int]] = None,
 ) -> None:
     """One SGD step over same-device XLA tensors, traced as one node: the same bits as
     ``mpfunc._sgd._foreach``, in place.
@@ -936,7 +1149,7 @@ def sgd_xla_(
         if momentum_buffer is None:
             raise ValueError(f"{fn}: momentum_buffer: expected a list of tensors, got None")
         moments.append(("momentum_buffer", momentum_buffer))
-    group = _gather(fn, params, grads, moments, steps, model_params)
+    group = _gather(fn, params, grads, moments, steps, model_params, salts)
     shared = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
     _run("sgd", h, group, shared, _build_sgd)
 
@@ -955,6 +1168,7 @@ def lion_xla_(
     found_inf: Optional[torch.Tensor] = None,
     grad_scale: Optional[LR] = None,
     model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    salts: Optional[Sequence[int]] = None,
 ) -> None:
     """One Lion step over same-device XLA tensors, traced as one node: ``_lion._foreach``
     op for op, in place.
@@ -971,7 +1185,7 @@ def lion_xla_(
     if not params:
         return
     h = _LionHyper(float(beta1), float(beta2), float(weight_decay), bool(maximize))
-    group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params)
+    group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params, salts)
     decay = h.weight_decay if h.weight_decay != 0 else None
     shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
     _run("lion", h, group, shared, _build_lion)
