@@ -6,11 +6,11 @@ group becomes one or more kernel calls (``Work``):
 
 * ``auto`` picks ``xla`` on XLA devices where the rule has an XLA kernel and the leaf
   has a float32 master or a ``"none"``/``"kahan"``/``"remainder"``/``"stochastic"``
-  unit with float32 or bf16 state (``xla_applies``), and no diagnostics are asked for:
-  the whole group's step (the strategy's load and store, grads widened and unscaled,
-  moments widened and rounded, params written) is then one cached XLA computation, one
-  traced node instead of dozens per leaf. Elsewhere on XLA (float64 masters, 8-bit
-  state, ``stats=``, lazy devices other than torch_xla's) the foreach path remains.
+  unit with float32, bf16 or 8-bit state (``xla_applies``), and no diagnostics are
+  asked for: the whole group's step (the strategy's load and store, grads widened and
+  unscaled, moments decoded and encoded, params written) is then one cached XLA
+  computation, one traced node instead of dozens per leaf. Elsewhere on XLA (float64
+  masters, ``stats=``, lazy devices other than torch_xla's) the foreach path remains.
 * ``auto`` picks ``native`` on the CPU where the rule has one (mpfunc's own kernel,
   ``_native``: the whole mixed step in one pass), no stats are asked for, the kernel
   builds here, and the leaf fits it: a float32 master with float32 state, or any master
@@ -110,7 +110,7 @@ def xla_applies(master: object, state: Sequence[object]) -> bool:
     """Whether a leaf can take a rule's ``"xla"`` kernel: on a torch_xla device, a plain
     float32 master tensor or a unit of a strategy the node loads and stores itself (its
     param of a dtype it takes: ``_xla_kernels.PARAM_DTYPES``), with state tensors all
-    float32 or all bfloat16 (step counts are always float32)."""
+    float32 or all bfloat16, or all 8-bit ``QState``s (step counts are always float32)."""
     s = _strategy.by_unit(master)
     face = master if s is None else master.param  # type: ignore[attr-defined]
     if not isinstance(face, torch.Tensor) or not face.is_xla:  # type: ignore[attr-defined]
@@ -767,7 +767,7 @@ def _decide(
             raise ValueError(
                 f"{fn}: at {step.masters.path(i)!r}: impl='xla': expected a float32 master "
                 f"(or a master of strategy 'none', 'kahan', 'remainder' or 'stochastic'), "
-                f"float32 or bfloat16 state, no stats, on an XLA device, got "
+                f"float32, bfloat16 or 8-bit state, no stats, on an XLA device, got "
                 f"{_checks.describe(f)}. Use impl='auto' or 'foreach'."
             )
         direct = (

@@ -35,10 +35,13 @@ format's widening and rounding inside (``_B.load``/``store``/``widen``/``narrow`
 compensation`` in fp32, and the compensated store), ``"remainder"`` (``_remainder``'s
 join and split, by bitcasts), ``"stochastic"`` (``_rng``'s counter-based hash of the key
 and the row-major element index in wrapping s32 arithmetic, the truncation rounding of
-``_strategy_stochastic``, and the key's advance), and bf16 moments (widened, rounded to
-nearest even, their old bits kept where skipped). Adam/AdamW on every such pair give the
-foreach path's bits (tests/test_xla_kernels.py); the one caveat is the fused
-multiply-add above, which shows in a remainder's low half as it does in an fp32 master.
+``_strategy_stochastic``, and the key's advance), bf16 moments (widened, rounded to
+nearest even, their old bits kept where skipped) and 8-bit moments (``_quantize``'s
+decode by table gathers and its blockwise encode, the second moment rounded
+stochastically with ``_state_format``'s draws keyed on the step count and the leaf's
+salt). Adam/AdamW on every such pair give the foreach path's bits
+(tests/test_xla_kernels.py); the one caveat is the fused multiply-add above, which shows
+in a remainder's low half as it does in an fp32 master.
 
 Also folded into the node, to cut host time further:
 
@@ -49,9 +52,8 @@ Also folded into the node, to cut host time further:
   their bits, as ``apply_update_(params=)`` does).
 
 What this path does not take (callers keep the foreach path for it): fp64 masters,
-8-bit moments (``state_dtype=torch.uint8``), ``stats=``, tensors on different devices
-within one call, and anything but one lr and one skip flag per call. torch_xla is
-imported on first use only.
+``stats=``, tensors on different devices within one call, and anything but one lr and
+one skip flag per call. torch_xla is imported on first use only.
 
 See docs/design.md#the-xla-one-node-kernels.
 """
@@ -1068,8 +1070,9 @@ def adam_xla_(
         place.
       grads: grads shaped like ``params``, of any floating dtype (widened to fp32 inside,
         exactly as ``grads_to_fp32_`` would).
-      exp_avg, exp_avg_sq, max_exp_avg_sq: the moments, all float32 or all bfloat16
-        (``max_exp_avg_sq`` is read only with ``amsgrad``; pass ``None`` otherwise).
+      exp_avg, exp_avg_sq, max_exp_avg_sq: the moments, all float32, all bfloat16 or all
+        8-bit ``QState``s (``max_exp_avg_sq`` is read only with ``amsgrad``; pass ``None``
+        otherwise).
       steps: 0-d float32 step counts, one per leaf, incremented unless skipped.
       lr: a float, or a 0-d float32 tensor on the device (changing it never recompiles).
       beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``mpfunc.adam``.
