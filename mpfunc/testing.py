@@ -219,18 +219,23 @@ def grad_trees(
     leaf (in ``dtype``, default the param's own) of the param's shape and device, in a
     layout from ``layouts``, at one drawn scale; ``None`` where the param is not
     floating, and, with ``none_holes``, for some floating params too (params that took no
-    grad, which optimizers skip)."""
+    grad, which optimizers skip), never all of them (a step with no grad at all is an
+    error: the backward was forgotten)."""
     st = _hypothesis()
     leaves, spec = _tree.flatten(params)
+    floating = [
+        i for i, p in enumerate(leaves) if isinstance(p, torch.Tensor) and p.is_floating_point()
+    ]
 
     def grads(draw: Any) -> Any:
         scale = draw(st.sampled_from(list(scales)))
+        kept = draw(st.sampled_from(floating)) if floating and none_holes else None
         out: list[Any] = []
-        for p in leaves:
+        for i, p in enumerate(leaves):
             if not (isinstance(p, torch.Tensor) and p.is_floating_point()):
                 out.append(None)
                 continue
-            if none_holes and draw(st.integers(0, 5)) == 0:
+            if none_holes and i != kept and draw(st.integers(0, 5)) == 0:
                 out.append(None)
                 continue
             x = _normal(draw(st.integers(0, 2**31 - 1)), tuple(p.shape), scale, dtype or p.dtype)
