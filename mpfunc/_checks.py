@@ -634,7 +634,12 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
     have written the first), and no negative or conjugate view, whose memory holds the
     negated (conjugated) values: torch's fused and foreach kernels refuse it partway,
     mpfunc's native kernel would store the raw bits."""
-    inference = torch.is_inference_mode_enabled()
+    # Not while dynamo traces: it cannot trace the inference-mode queries (a graph break,
+    # and fullgraph refuses them), and the view flags are checked on the eager call's
+    # tensors only (dynamo guards on neither).
+    if compiling():
+        in_place = False
+    inference = in_place and torch.is_inference_mode_enabled()
     for side in sides:
         for i, t in enumerate(_dtensor.locals_(side.leaves)):
             if t is None:
@@ -930,9 +935,11 @@ def _dense_key(leaves: list[Any]) -> Hashable | None:
     """The memo key of ``check_dense`` on ``leaves`` (its outcome depends on nothing else),
     or ``None`` where they may not be remembered, or only with keys as dear as the check
     (a Python key: the native module is not loaded)."""
-    if not _enabled[0] or _native.key_function() is None or type(leaves) is not list:
-        return None
+    # compiling() first: dynamo would guard on the native module's global (None at the
+    # first trace, loaded at the next step: a recompile).
     if compiling() or _func_transform_active():
+        return None
+    if not _enabled[0] or _native.key_function() is None or type(leaves) is not list:
         return None
     part = leaf_keys(leaves)
     if part is None or not _memoizable_part(part):

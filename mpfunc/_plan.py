@@ -241,6 +241,8 @@ def _native_cast_(
     """On the CPU, casts the pairs that share one dense layout with mpfunc's native kernel
     (one parallel pass with streaming stores, bit for bit ``Tensor.to``) where the dtypes
     and sizes make it worth it and it builds; returns the pairs left to ``_foreach_copy_``."""
+    if compiling():  # (an extension op with no fake kernel; inductor fuses the copies)
+        return dst, src
     # A negative view (torch._neg_view) holds the negated values: the kernel reads memory
     # as it is, torch's copy_ reads the values.
     fits = [_same_layout([d, s]) and not s.is_neg() for d, s in zip(dst, src)]
