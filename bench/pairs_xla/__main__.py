@@ -1,0 +1,178 @@
+"""Every (master strategy, state format) pair of one AdamW step on XLA, beside torch's own.
+
+On XLA the host traces every op of a step, so the trace time is the step's host cost;
+the rest is the device running the graph. One process, contenders interleaved round by
+round; each row is the median over rounds of its time divided by torch's per-tensor
+``torch.optim.AdamW(foreach=False)`` on an fp32 tree of the same shapes in the same round:
+the host trace alone (the call returns with the graph pending), and the whole step (trace,
+``torch_xla.sync()`` and waiting for the device). mpfunc steps take bf16 grads; the
+``"fp32"`` pairs write the rounded bf16 params too. Every pair is one node on XLA.
+
+    PJRT_DEVICE=CPU python -m bench.pairs_xla                       # 101 leaves, ~3 minutes
+    PJRT_DEVICE=CPU python -m bench.pairs_xla --smoke --out /tmp/p  # seconds
+    PJRT_DEVICE=CPU python -m bench.pairs_xla --out bench/results/pairs_xla
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import mpfunc
+from bench.common import meta as meta_mod
+from bench.common.machine import load_avg
+from bench.common.report import fmt, header, write_json
+
+STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
+STATES: tuple[torch.dtype | None, ...] = (None, torch.bfloat16, torch.uint8)
+BASE = "torch AdamW per-tensor (fp32)"
+
+
+def _shapes(width: int, leaves: int) -> list[tuple[int, ...]]:
+    """Half matrices, half vectors (a small transformer's mix): few distinct shapes."""
+    return [(width, width) if i % 2 == 0 else (width,) for i in range(leaves)]
+
+
+def _contenders(shapes: list[tuple[int, ...]], device: Any) -> dict[str, Callable[[], Any]]:
+    gen = torch.Generator().manual_seed(0)
+
+    def tree(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {
+            f"p{i}": torch.randn(s, generator=gen).to(dtype).to(device)
+            for i, s in enumerate(shapes)
+        }
+
+    ref = [torch.nn.Parameter(t) for t in tree(torch.float32).values()]
+    for p in ref:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-3, foreach=False)
+    out: dict[str, Callable[[], Any]] = {BASE: torch_opt.step}
+    for strategy in STRATEGIES:
+        for state_dtype in STATES:
+            params = tree(torch.bfloat16)
+            masters = mpfunc.init_master(params, strategy=strategy)
+            opt = mpfunc.adamw(1e-3, state_dtype=state_dtype)
+            state = opt.init(masters)
+            grads = {
+                k: torch.randn(v.shape, generator=gen).bfloat16().to(device)
+                for k, v in params.items()
+            }
+            kw = {"params": params} if strategy == "fp32" else {}
+
+            def step(
+                m: Any = masters, g: Any = grads, s: Any = state, o: Any = opt, k: Any = kw
+            ) -> None:
+                mpfunc.apply_update_(m, g, s, o, **k)
+
+            name = "fp32" if state_dtype is None else str(state_dtype).removeprefix("torch.")
+            out[f"mpfunc {strategy} + {name}"] = step
+    return out
+
+
+def _time(step: Callable[[], Any]) -> tuple[float, float]:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    t0 = time.perf_counter()
+    step()
+    traced = time.perf_counter() - t0
+    torch_xla.sync()
+    xm.wait_device_ops()
+    return traced, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch_xla
+
+    run_meta = meta_mod.Run("pairs_xla", args.argv)
+    torch.set_num_threads(args.threads)
+    shapes = _shapes(args.width, args.leaves)
+    load0 = load_avg()
+    contenders = _contenders(shapes, torch_xla.device())
+    for step in contenders.values():  # compile every graph before the timed rounds
+        for _ in range(3):
+            _time(step)
+    samples: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in contenders}
+    for _ in range(args.rounds):
+        base = _time(contenders[BASE])
+        for name, step in contenders.items():
+            t = _time(step)
+            samples[name].append((t[0], t[1], t[0] / base[0], t[1] / base[1]))
+    rows = []
+    for name, xs in samples.items():
+        med = [statistics.median(x[i] for x in xs) for i in range(4)]
+        rows.append(
+            {
+                "name": name,
+                "trace_ms": med[0] * 1e3,
+                "step_ms": med[1] * 1e3,
+                "trace_ratio": med[2],
+                "step_ratio": med[3],
+            }
+        )
+    part = {
+        "leaves": len(shapes),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "load_avg": {"start": load0, "end": load_avg()},
+        "rows": rows,
+    }
+    return {"meta": run_meta.finish(threads=args.threads), "parts": [part]}
+
+
+def render(result: dict[str, Any]) -> str:
+    (part,) = result["parts"]
+    load = part["load_avg"]
+    lines = [
+        "# One AdamW step per (strategy, state format) on XLA, beside torch's",
+        "",
+        *header(result["meta"]),
+        "",
+        f"{part['leaves']} leaves, {part['threads']} thread(s), medians of {part['rounds']} "
+        f"rounds; load average {fmt(load['start'], '{:.2f}')} -> {fmt(load['end'], '{:.2f}')}.",
+        "",
+        "| contender | host trace ms | trace / torch's | step ms | step / torch's |",
+        "|---|--:|--:|--:|--:|",
+    ]
+    for r in part["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['trace_ms']:.1f} | {r['trace_ratio']:.2f} | "
+            f"{r['step_ms']:.1f} | {r['step_ratio']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.pairs_xla", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--leaves", type=int, default=101)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--smoke", action="store_true", help="4 small leaves, 2 rounds")
+    meta_mod.add_out_argument(p, "pairs_xla")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.leaves, args.width, args.rounds = 4, 64, 2
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "pairs_xla.json", result)
+    text = render(result)
+    (args.out / "pairs_xla.md").write_text(text)
+    print(text)
+    print(f"wrote {args.out / 'pairs_xla.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
