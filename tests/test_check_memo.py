@@ -392,7 +392,11 @@ def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> 
         calls.clear()
         t["opt"] = opt
         _update(t)
-        assert calls[-3:] == ["check_writable", "check_no_alias", "decide"]
+        # Planned again (not recalled): the state's checks ran and the leaves were decided.
+        # (Which state checks show depends on check_memory's one-pass common case, taken
+        # where no DTensor type is loaded in the process.)
+        assert calls[-1] == "decide" and calls.count("decide") == 1, calls
+        assert "check_pairs" in calls, calls
     assert len(used) <= 1  # foreach never took the native kernel
 
 
