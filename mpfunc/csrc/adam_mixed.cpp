@@ -1315,7 +1315,6 @@ struct SKahan {  // param + compensation; store_kahan's block
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr bool kFusedBits = true;
 using iVec = __m512i;  // 16 lanes of 32 bits: half a block
 MPF_INLINE iVec i32(std::uint32_t v) { return _mm512_set1_epi32(std::int32_t(v)); }
 MPF_INLINE iVec widen16(const u16* p) {
@@ -1401,27 +1400,17 @@ struct SStochastic {  // bf16 params only
     round16(p1, L.key, u32(i + kW), P + kW);
   }
 };
-#else
-constexpr bool kFusedBits = false;
 #endif
 
-// State format pieces: moment k of elements [i, i + kBlock).
-struct FF32 {
+// State format piece: moment k of elements [i, i + kBlock), stored as X (F32 or BF16).
+template <class X>
+struct FMoment {
   static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
-    load2<F32, true>(static_cast<const float*>(L.data[k]) + i, kBlock, a, b);
+    load2<X, true>(static_cast<const typename X::T*>(L.data[k]) + i, kBlock, a, b);
   }
   static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
                                const fVec& b) {
-    store2<F32, true>(static_cast<float*>(L.data[k]) + i, kBlock, a, b);
-  }
-};
-struct FBF16 {
-  static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
-    load2<BF16, true>(static_cast<const u16*>(L.data[k]) + i, kBlock, a, b);
-  }
-  static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
-                               const fVec& b) {
-    store2<BF16, true>(static_cast<u16*>(L.data[k]) + i, kBlock, a, b);
+    store2<X, true>(static_cast<typename X::T*>(L.data[k]) + i, kBlock, a, b);
   }
 };
 
@@ -1473,9 +1462,9 @@ template <class S>
 FusedFn fused_format(Format f, c10::ScalarType grad, bool amsgrad) {
   switch (f) {
     case kF32:
-      return fused_grad<S, FF32>(grad, amsgrad);
+      return fused_grad<S, FMoment<F32>>(grad, amsgrad);
     case kBF16:
-      return fused_grad<S, FBF16>(grad, amsgrad);
+      return fused_grad<S, FMoment<BF16>>(grad, amsgrad);
     // (uint8: the tiles. A register-resident codec with gathers measured the same,
     // 0.95-1.10x the tiles' time: the codec's table reads and divisions bound it.)
     default:
