@@ -344,18 +344,30 @@ _CASES = [(name, impl) for name, (_, impls) in _WRITERS.items() for impl in impl
 
 
 def _behind_the_back(
-    name: str, impl: str, how: str, device: torch.device, *, skip_first: bool = False
+    name: str,
+    impl: str,
+    how: str,
+    device: torch.device,
+    *,
+    skip_first: bool = False,
+    transposed: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Two steps of one tree; between them the first param is written behind the step's
     back (``how``) and, in the reference, the same value also goes into its master, the
-    one supported way before. Returns (params, masters) of (the run, the reference)."""
+    one supported way before. ``transposed``: the first param is a transposed view (its
+    master copies that layout, its grad is contiguous: the native pass stages the leaf
+    through contiguous copies). Returns (params, masters) of (the run, the reference)."""
     make = _WRITERS[name][0]
     out = []
     for reference in (False, True):
         g = torch.Generator().manual_seed(0)
         shapes = [(64, 40), (33,)]
         params = [torch.randn(s, generator=g).bfloat16().to(device) for s in shapes]
-        grads = [torch.randn(p.shape, generator=g).bfloat16().to(device) for p in params]
+        if transposed:
+            params[0] = params[0].t().contiguous().t()
+        grads = [
+            torch.randn(p.shape, generator=g).bfloat16().to(device).contiguous() for p in params
+        ]
         masters = mpfunc.init_master(params)
         opt = make(impl)
         state = opt.init(masters)
@@ -392,6 +404,16 @@ def test_a_param_written_behind_the_steps_back_is_kept(name: str, impl: str, how
     _assert_same_bits([*params, *masters], [*ref_params, *ref_masters])
     if how != "some":
         assert float((params[0].float() - _WRITTEN).abs().max()) < 0.1
+
+
+@pytest.mark.parametrize("how", ["fill", "some"])
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+def test_a_transposed_param_written_behind_the_steps_back_is_kept(impl: str, how: str) -> None:
+    (params, masters), (ref_params, ref_masters) = _behind_the_back(
+        "adamw", impl, how, torch.device("cpu"), transposed=True
+    )
+    assert not params[0].is_contiguous()
+    _assert_same_bits([*params, *masters], [*ref_params, *ref_masters])
 
 
 def test_a_skipped_step_keeps_the_master_and_the_next_one_refreshes() -> None:
