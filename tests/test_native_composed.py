@@ -189,3 +189,55 @@ def test_native_refuses_a_wrong_call_before_writing(native: Any) -> None:
         native.step_composed_(1, 0, [p.float()], [r], [g], [[m], [v]], [], [step], [], [],
                               *args.values())  # fmt: skip
     assert_unchanged([p, r, m, v, step], before)
+
+
+def test_decode_tables_are_one_division() -> None:
+    # The fused 8-bit piece computes table entry k as k / (254 - |k|) (signed) or
+    # k / (508 - k) (unsigned) with one fp32 division: the tables' bits, every entry.
+    from mpfunc import _quantize
+
+    k = torch.arange(-127, 128, dtype=torch.float32)
+    assert torch.equal(_quantize._TABLE_CPU[True][1:], k / (254 - k.abs()))
+    k = torch.arange(0, 255, dtype=torch.float32)
+    assert torch.equal(_quantize._TABLE_CPU[False][:255], k / (508 - k))
+
+
+def _wide(gen: torch.Generator, n: int) -> torch.Tensor:
+    # Magnitudes from 1e-38 to 1e30, all-zero blocks, specials, and blocks whose largest
+    # value rounds up to the next bf16 scale.
+    x = torch.randn(n, generator=gen) * torch.pow(
+        10.0, torch.empty(n).uniform_(-38, 30, generator=gen)
+    )
+    blocks = x.view(-1, 32) if n % 32 == 0 else x[: n - n % 32].view(-1, 32)
+    blocks[::7] = 0.0
+    blocks[3::11, 5] = 1.00390625 * blocks[3::11].abs().amax(dim=1)
+    idx = torch.randint(0, n, (len(SPECIALS),), generator=gen)
+    x[idx] = torch.tensor(SPECIALS)
+    return x
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_8bit_blocks_equal_the_tiles(
+    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str, amsgrad: bool
+) -> None:
+    # The 8-bit moments' fused piece (registers, divisions) against the tiles (tables,
+    # phases), both checked against the torch path above, on values far wider than an
+    # optimizer's: each bit of codes, scales, masters and params must agree.
+    def run(tiles: bool) -> Any:
+        if tiles:
+            monkeypatch.setenv("MPFUNC_NATIVE_TILES", "1")
+        else:
+            monkeypatch.delenv("MPFUNC_NATIVE_TILES", raising=False)
+        gen = torch.Generator().manual_seed(7)
+        params = {"w": _wide(gen, 4096).bfloat16().view(64, 64), "b": _wide(gen, 1000).bfloat16()}
+        masters = mpfunc.init_master(params, strategy=strategy, seed=5)
+        opt = mpfunc.adamw(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, state_dtype=torch.uint8)
+        state = opt.init(masters)
+        kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
+        for _ in range(3):
+            grads = {k: _wide(gen, v.numel()).view(v.shape).bfloat16() for k, v in params.items()}
+            masters, state = mpfunc.apply_update_(masters, grads, state, opt, **kw)
+        return params, masters, state
+
+    assert_trees_bits_equal(run(False), run(True), nan_payload=False)

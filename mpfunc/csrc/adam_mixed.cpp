@@ -1414,6 +1414,145 @@ struct FMoment {
   }
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+// State format piece of the 8-bit moments: one fused block (kBlock = 32 elements) is one
+// quantization block, so a block's codes and its scale are decoded into, and encoded from,
+// two registers, with no table and no scratch. The decode tables are k / (levels' - |k|)
+// (Tables: t / (2 - |t|) with t = k / levels), and one IEEE division gives every entry's
+// fp32 bits (checked for all 510 entries in tests/test_native_composed.py), so each
+// operation below is decode's or encode's own, on 16 lanes, in the same order.
+struct FU8 {
+  // Codes 0..31 of a block as two 16-lane int32 vectors.
+  template <bool kSigned>
+  static MPF_INLINE void codes(const void* p, iVec& c0, iVec& c1) {
+    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+    if constexpr (kSigned) {
+      c0 = _mm512_cvtepi8_epi32(lo);
+      c1 = _mm512_cvtepi8_epi32(hi);
+    } else {
+      c0 = _mm512_cvtepu8_epi32(lo);
+      c1 = _mm512_cvtepu8_epi32(hi);
+    }
+  }
+  // The table's entry for 16 codes (signed: -127..127, the mark -128 -> NaN; unsigned:
+  // 0..254, the mark 255 -> +inf).
+  template <bool kSigned>
+  static MPF_INLINE __m512 table(iVec c) {
+    const __m512 k = _mm512_cvtepi32_ps(c);
+    if constexpr (kSigned) {
+      const __m512 den = _mm512_sub_ps(_mm512_set1_ps(254.0f), _mm512_abs_ps(k));
+      const __m512 q = _mm512_div_ps(k, den);
+      return _mm512_mask_mov_ps(q, _mm512_cmpeq_epi32_mask(c, i32(u32(-128))),
+                                _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    } else {
+      const __m512 q = _mm512_div_ps(k, _mm512_sub_ps(_mm512_set1_ps(508.0f), k));
+      return _mm512_mask_mov_ps(q, _mm512_cmpeq_epi32_mask(c, i32(255)),
+                                _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+    }
+  }
+  static MPF_INLINE __m512 flush16(__m512 y) {
+    return _mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(kTiny), _CMP_NLT_UQ), y);
+  }
+  template <bool kSigned>
+  static MPF_INLINE __m512 value(iVec c, __m512 s) {
+    __m512 y = _mm512_mul_ps(table<kSigned>(c), s);
+    if constexpr (!kSigned) y = _mm512_mul_ps(y, y);
+    return flush16(y);
+  }
+
+  static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
+    const float f = BF16::load(L.scale[k][i / kQBlock]);
+    iVec c0, c1;
+    if (k == 0) {
+      codes<true>(static_cast<const std::int8_t*>(L.data[k]) + i, c0, c1);
+      const __m512 s = _mm512_set1_ps(f);
+      a = fVec(value<true>(c0, s));
+      b = fVec(value<true>(c1, s));
+    } else {
+      codes<false>(static_cast<const std::uint8_t*>(L.data[k]) + i, c0, c1);
+      const __m512 s = _mm512_set1_ps(std::max(f, kTiny));  // decode's clamp
+      a = fVec(value<false>(c0, s));
+      b = fVec(value<false>(c1, s));
+    }
+  }
+
+  // encode<kSigned, kNoise> on one block; returns the 32 codes as two int32 vectors.
+  template <bool kSigned>
+  static MPF_INLINE void encode2(const __m512 (&x)[2], u32 key, std::int64_t first, u16* scale,
+                                 iVec (&code)[2]) {
+    constexpr float kLevels = kSigned ? 127.0f : 254.0f;
+    const __m512 tiny = _mm512_set1_ps(kTiny), zero = _mm512_setzero_ps();
+    __mmask16 ok[2], keep[2];
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      // finite: x - x is 0 for finite x, NaN for inf and NaN.
+      ok[h] = _mm512_cmp_ps_mask(_mm512_sub_ps(x[h], x[h]), zero, _CMP_EQ_OQ);
+      if constexpr (!kSigned) ok[h] &= _mm512_cmp_ps_mask(x[h], _mm512_set1_ps(-kTiny), _CMP_GT_OQ);
+      keep[h] = ok[h] & _mm512_cmp_ps_mask(_mm512_abs_ps(x[h]), tiny, _CMP_GE_OQ);
+      v[h] = _mm512_maskz_mov_ps(keep[h], x[h]);
+      if constexpr (!kSigned) v[h] = _mm512_sqrt_ps(v[h]);
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const u16 sc = BF16::store(amax);
+    *scale = sc;
+    const float sf = BF16::load(sc);
+    const __m512 dd = _mm512_set1_ps(sf > 0.0f ? sf : 1.0f);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 yj = flush16(_mm512_div_ps(v[h], dd));
+      const __m512 t = _mm512_div_ps(_mm512_add_ps(yj, yj), _mm512_add_ps(_mm512_abs_ps(yj), one));
+      iVec c;
+      if constexpr (kSigned) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLevels)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 cl = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-kLevels)),
+                                        _mm512_set1_ps(kLevels));
+        c = _mm512_mask_mov_epi32(_mm512_cvttps_epi32(cl), ~ok[h], i32(u32(-128)));
+      } else {
+        const __m512 xx = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLevels)), zero),
+                                        _mm512_set1_ps(kLevels - 1.0f));
+        const iVec lo = _mm512_cvttps_epi32(
+            _mm512_roundscale_ps(xx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+        const __m512 lf = _mm512_cvtepi32_ps(lo);
+        const __m512 l1 = _mm512_add_ps(lf, one);
+        __m512 a = _mm512_div_ps(lf, _mm512_sub_ps(_mm512_set1_ps(508.0f), lf));
+        __m512 b = _mm512_div_ps(l1, _mm512_sub_ps(_mm512_set1_ps(508.0f), l1));
+        const __m512 val = flush16(_mm512_mul_ps(yj, yj));
+        a = _mm512_mul_ps(a, a);
+        b = _mm512_mul_ps(b, b);
+        const iVec bits = draw16(key, u32(first + 16 * h));
+        const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bits, 8)),
+                                       _mm512_set1_ps(0x1.0p-24f));
+        const __mmask16 up = _mm512_cmp_ps_mask(
+            u, _mm512_div_ps(_mm512_sub_ps(val, a), _mm512_sub_ps(b, a)), _CMP_LT_OQ);
+        c = _mm512_mask_add_epi32(lo, up, lo, i32(1));
+        // A positive second moment never decodes to 0; non-finite values get the mark.
+        c = _mm512_mask_max_epi32(c, keep[h], c, i32(1));
+        c = _mm512_mask_mov_epi32(c, ~ok[h], i32(255));
+      }
+      code[h] = c;
+    }
+  }
+
+  static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
+                               const fVec& b) {
+    const __m512 x[2] = {__m512(a), __m512(b)};
+    iVec c[2];
+    u16* scale = L.scale[k] + i / kQBlock;
+    if (k == 0) {
+      encode2<true>(x, 0, i, scale, c);
+    } else {
+      encode2<false>(x, L.vkey, i, scale, c);
+    }
+    auto* out = static_cast<std::uint8_t*>(L.data[k]) + i;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c[0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(c[1]));
+  }
+};
+#endif
+
 // Whole blocks of [begin, end) inside the leaf's vector loop; returns where it stopped.
 template <class S, class FS, class G, bool kAmsgrad>
 std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, const Hyper& h) {
@@ -1465,8 +1604,10 @@ FusedFn fused_format(Format f, c10::ScalarType grad, bool amsgrad) {
       return fused_grad<S, FMoment<F32>>(grad, amsgrad);
     case kBF16:
       return fused_grad<S, FMoment<BF16>>(grad, amsgrad);
-    // (uint8: the tiles. A register-resident codec with gathers measured the same,
-    // 0.95-1.10x the tiles' time: the codec's table reads and divisions bound it.)
+#if defined(CPU_CAPABILITY_AVX512)
+    case kU8:
+      return fused_grad<S, FU8>(grad, amsgrad);
+#endif
     default:
       return nullptr;
   }
