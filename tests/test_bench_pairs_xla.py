@@ -19,7 +19,10 @@ def test_pairs_xla_smoke_reports_every_pair_and_the_load(
     (part,) = result["parts"]
     names = [r["name"] for r in part["rows"]]
     assert names[0].startswith("torch AdamW")
-    assert len(names) == 1 + len(STRATEGIES) * len(STATES)
+    assert names[1].startswith("torch_xla syncfree AdamW")
+    assert len(names) == 2 + len(STRATEGIES) * len(STATES)
     assert all(r["trace_ratio"] > 0 and r["step_ratio"] > 0 for r in part["rows"])
+    # after warm-up: no compile, one graph per step, for every contender
+    assert all(r["compiles"] == 0 and r["graphs_per_step"] == 1 for r in part["rows"])
     assert set(part["load_avg"]) == {"start", "end"}
     assert "mpfunc stochastic + uint8" in (tmp_path / "pairs_xla.md").read_text()

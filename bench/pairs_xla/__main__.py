@@ -5,8 +5,12 @@ the rest is the device running the graph. One process, contenders interleaved ro
 round; each row is the median over rounds of its time divided by torch's per-tensor
 ``torch.optim.AdamW(foreach=False)`` on an fp32 tree of the same shapes in the same round:
 the host trace alone (the call returns with the graph pending), and the whole step (trace,
-``torch_xla.sync()`` and waiting for the device). mpfunc steps take bf16 grads; the
-``"fp32"`` pairs write the rounded bf16 params too. Every pair is one node on XLA.
+``torch_xla.sync()`` and waiting for the device), also as a ratio to mpfunc's ``"fp32"``
+single pass (``fp32 + fp32``). ``torch_xla.amp.syncfree.AdamW`` (torch_xla's own
+sync-free optimizer) runs beside them on the same fp32 tree. Each row also counts, over
+the timed rounds, the compiles (0 after warm-up) and the graphs executed per step.
+mpfunc steps take bf16 grads; the ``"fp32"`` pairs write the rounded bf16 params too.
+Every pair is one node on XLA.
 
     PJRT_DEVICE=CPU python -m bench.pairs_xla                       # 101 leaves, ~3 minutes
     PJRT_DEVICE=CPU python -m bench.pairs_xla --smoke --out /tmp/p  # seconds
@@ -33,6 +37,8 @@ from bench.common.report import fmt, header, write_json
 STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
 STATES: tuple[torch.dtype | None, ...] = (None, torch.bfloat16, torch.uint8)
 BASE = "torch AdamW per-tensor (fp32)"
+SYNCFREE = "torch_xla syncfree AdamW (fp32)"
+FP32 = "mpfunc fp32 + fp32"
 
 
 def _shapes(width: int, leaves: int) -> list[tuple[int, ...]]:
@@ -54,6 +60,12 @@ def _contenders(shapes: list[tuple[int, ...]], device: Any) -> dict[str, Callabl
         p.grad = torch.randn(p.shape, generator=gen).to(device)
     torch_opt = torch.optim.AdamW(ref, lr=1e-3, foreach=False)
     out: dict[str, Callable[[], Any]] = {BASE: torch_opt.step}
+    from torch_xla.amp import syncfree
+
+    ref2 = [torch.nn.Parameter(t) for t in tree(torch.float32).values()]
+    for p in ref2:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    out[SYNCFREE] = syncfree.AdamW(ref2, lr=1e-3).step
     for strategy in STRATEGIES:
         for state_dtype in STATES:
             params = tree(torch.bfloat16)
@@ -88,6 +100,17 @@ def _time(step: Callable[[], Any]) -> tuple[float, float]:
     return traced, time.perf_counter() - t0
 
 
+def _counts() -> tuple[int, int]:
+    """(compiles, graph executions) so far in this process."""
+    import torch_xla.debug.metrics as met
+
+    def count(name: str) -> int:
+        data = met.metric_data(name)
+        return 0 if data is None else int(data[0])
+
+    return count("CompileTime"), count("ExecuteTime")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch_xla
 
@@ -99,15 +122,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for step in contenders.values():  # compile every graph before the timed rounds
         for _ in range(3):
             _time(step)
-    samples: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in contenders}
+    samples: dict[str, list[tuple[float, ...]]] = {n: [] for n in contenders}
+    compiles = dict.fromkeys(contenders, 0)
+    graphs = dict.fromkeys(contenders, 0)
     for _ in range(args.rounds):
         base = _time(contenders[BASE])
+        fp32 = _time(contenders[FP32])
         for name, step in contenders.items():
+            c0, e0 = _counts()
             t = _time(step)
-            samples[name].append((t[0], t[1], t[0] / base[0], t[1] / base[1]))
+            c1, e1 = _counts()
+            compiles[name] += c1 - c0
+            graphs[name] += e1 - e0
+            samples[name].append((t[0], t[1], t[0] / base[0], t[1] / base[1], t[1] / fp32[1]))
     rows = []
     for name, xs in samples.items():
-        med = [statistics.median(x[i] for x in xs) for i in range(4)]
+        med = [statistics.median(x[i] for x in xs) for i in range(5)]
         rows.append(
             {
                 "name": name,
@@ -115,6 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "step_ms": med[1] * 1e3,
                 "trace_ratio": med[2],
                 "step_ratio": med[3],
+                "step_to_fp32": med[4],
+                "compiles": compiles[name],
+                "graphs_per_step": graphs[name] / args.rounds,
             }
         )
     part = {
@@ -138,13 +171,15 @@ def render(result: dict[str, Any]) -> str:
         f"{part['leaves']} leaves, {part['threads']} thread(s), medians of {part['rounds']} "
         f"rounds; load average {fmt(load['start'], '{:.2f}')} -> {fmt(load['end'], '{:.2f}')}.",
         "",
-        "| contender | host trace ms | trace / torch's | step ms | step / torch's |",
-        "|---|--:|--:|--:|--:|",
+        "| contender | host trace ms | trace / torch's | step ms | step / torch's "
+        "| step / mpfunc fp32 | compiles | graphs / step |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in part["rows"]:
         lines.append(
             f"| {r['name']} | {r['trace_ms']:.1f} | {r['trace_ratio']:.2f} | "
-            f"{r['step_ms']:.1f} | {r['step_ratio']:.2f} |"
+            f"{r['step_ms']:.1f} | {r['step_ratio']:.2f} | {r.get('step_to_fp32', 0):.2f} | "
+            f"{r.get('compiles', '-')} | {r.get('graphs_per_step', 0):.1f} |"
         )
     return "\n".join(lines) + "\n"
 
