@@ -591,7 +591,8 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Removes the hooks of ``step_in_backward=True`` from the params (idempotent; also
-        done when the optimizer is garbage-collected). After it, ``step()`` steps the grads a backward left, leaf by leaf."""
+        done when the optimizer is garbage-collected). After it, ``step()`` steps the grads
+        a backward left, leaf by leaf."""
         if self._in_backward is not None:
             self._in_backward.remove()
 

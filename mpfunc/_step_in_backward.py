@@ -79,6 +79,27 @@ def one_leaf_state(state: Any, leaves: list[list[Any] | None], j: int) -> Any:
     return type(state)(*[None if f is None else [f[j]] for f in leaves])
 
 
+# Every live set of hooks: a clip over grads they freed is refused (``refuse_clip``).
+_LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()
+
+
+def refuse_clip(fn: str, leaves: list[Any]) -> None:
+    """Raises when ``fn`` (a global-norm clip) gets only ``None`` grads while hooks of the
+    step inside backward have stepped leaves and freed their grads in this step: clipping
+    then would silently clip nothing."""
+    if (
+        leaves
+        and all(g is None for g in leaves)
+        and any(h.handles and h.stepped for h in list(_LIVE))
+    ):
+        raise ValueError(
+            f"{fn}: grads: expected grads, got None for every leaf: the step inside backward "
+            f"(step_in_backward) has already stepped and freed them. A global-norm clip "
+            f"needs the norm of every grad before any leaf steps, but {WHOLE_TREE}. Clip "
+            "without step_in_backward (the ordinary step), or train without the clip"
+        )
+
+
 class Hooks:
     """Post-accumulate-grad hooks on a list of params, calling ``fire(j, param)``.
 
@@ -90,19 +111,23 @@ class Hooks:
 
     def __init__(self, fire: Callable[[int, torch.Tensor], None], *, strong: bool) -> None:
         self._fire: Callable[[], Callable[[int, torch.Tensor], None] | None]
+        self._strong = strong
         if strong:
             self._fire = lambda: fire
         else:
-            self._fire = weakref.WeakMethod(fire)  # type: ignore[arg-type]
+            self._fire = weakref.WeakMethod(fire)
         self.handles: list[Any] = []
         self.stepped: set[int] = set()
         self.begun = False  # the step's once-per-step work is done
         # Removes the hooks when this object is collected (it holds no param, and the
         # hooks hold it weakly): never a hook left stepping for a dead optimizer.
         self._finalizer = weakref.finalize(self, _remove, self.handles)
+        _LIVE.add(self)
 
     def watch(self, j: int, p: torch.Tensor) -> None:
-        ref = weakref.ref(self)
+        # Strong: the param's hook keeps these hooks (and their owner) alive; weak: they
+        # live as long as their owner.
+        ref = (lambda: self) if self._strong else weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
             hooks = ref()
@@ -110,10 +135,11 @@ class Hooks:
             if fire is not None:
                 fire(j, param)
 
-        self.handles.append(p.register_post_accumulate_grad_hook(hook))
+        self.handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def remove(self) -> None:
         _remove(self.handles)
+        self.end()
 
     @property
     def removed(self) -> bool:
@@ -146,7 +172,7 @@ def check_no_grad(fn: str, path: str, p: torch.Tensor) -> None:
     if p.grad is not None:
         _checks.fail(
             ValueError, fn, path, "a param without a .grad (from optimizer.zero_grad())",
-            f"a {_checks.describe(p.grad)} grad",
+            f"a grad: {_checks.describe(p.grad)}",
             "The step inside backward steps each grad as it completes; a grad left from "
             "before would be added to the next one. Call zero_grad(set_to_none=True) first",
         )  # fmt: skip
@@ -196,9 +222,7 @@ class StepInBackward:
         self._alone = opt.functional and isinstance(state, tuple) and hasattr(state, "_fields")
         self._fields: list[list[Any] | None] = []
         if self._alone:
-            self._fields = [
-                None if f is None else _tree.flatten(f, units=True)[0] for f in state
-            ]
+            self._fields = [None if f is None else _tree.flatten(f, units=True)[0] for f in state]
         self._hooks = Hooks(self._fire, strong=True)
         for j, p in enumerate(params):
             if p is not None:
@@ -334,7 +358,7 @@ def watch_optimizer_param(opt: Any, hooks: Hooks, j: int) -> None:
     p = opt._params[j]
     if not p.is_floating_point():
         return  # no master ever (init_master keeps none for it)
-    where = f"param_groups[{opt._group_of[j]}]: {opt._names[j]}"
+    where = opt._names[j]
     check_param(_OPT, where, p)
     check_no_grad(_OPT, where, p)
     hooks.watch(j, p)
