@@ -211,6 +211,7 @@ class StepInBackward:
         self._params = params
         self._paths = paths
         self._params_tree = params_tree
+        self._all: list[Any] = _tree.flatten(params_tree)[0]
         self._masters_tree, self._state, self._opt = masters, state, opt
         self._scale, self._stats_tree = scale, stats
         self._masters = _tree.flatten(masters, units=True)[0]
@@ -252,8 +253,20 @@ class StepInBackward:
         self._hooks.stepped.add(j)
 
     def end_step(self) -> None:
-        """Ends a step: each leaf may step once more (at the next backward)."""
+        """Ends a step: each leaf may step once more (at the next backward).
+
+        Raises:
+          ValueError: a param that was frozen when the hooks were made holds a grad now: it
+            has no hook, so nothing would step it and the next backward would add to it.
+        """
         self._hooks.end()
+        for j, (x, q) in enumerate(zip(self._masters, self._all)):
+            if x is not None and q is not None and self._params[j] is None and q.grad is not None:
+                raise ValueError(
+                    f"{_FN}: {self._paths[j]}: expected no grad (it required none when the "
+                    f"hooks were made, so it has no hook), got one. Call handle.remove() and "
+                    f"step_in_backward(...) again after changing requires_grad"
+                )
 
     def remove(self) -> None:
         """Takes every hook off the params (idempotent)."""
@@ -356,8 +369,10 @@ def optimizer_hooks(opt: Any) -> Hooks:
 
 def watch_optimizer_param(opt: Any, hooks: Hooks, j: int) -> None:
     p = opt._params[j]
-    if not p.is_floating_point():
-        return  # no master ever (init_master keeps none for it)
+    if not p.is_floating_point() or not p.requires_grad:
+        # No master ever, or frozen (torch hooks only params that require grad): a grad it
+        # gets after an unfreeze is stepped by step(), after the backward.
+        return
     where = opt._names[j]
     check_param(_OPT, where, p)
     check_no_grad(_OPT, where, p)

@@ -479,3 +479,50 @@ def test_xla_one_graph_per_step_and_same_bits(xla_device: torch.device) -> None:
     got, graphs = run(True)
     assert graphs[1:] == [1, 1, 1], graphs
     assert_all_bits(ref, got)
+
+
+def test_frozen_then_unfrozen() -> None:
+    """A param frozen when hooked cannot carry a hook: MasterOptimizer.step() steps its late
+    grad after the backward (the same bits); the functional handle refuses it at end_step."""
+    nets = [make_net(), make_net()]
+    opts = []
+    for sib, net in zip((False, True), nets):
+        net.lin.weight.requires_grad_(False)
+        opts.append(mpfunc.MasterOptimizer(net.parameters(), step_in_backward=sib, lr=1e-2))
+    for k in range(3):
+        for net, opt in zip(nets, opts):
+            if k == 1:
+                net.lin.weight.requires_grad_(True)
+            loss_of(net, k).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_all_bits([p.detach() for p in nets[0].parameters()],
+                    [p.detach() for p in nets[1].parameters()])  # fmt: skip
+    assert_all_bits(state_tensors(opts[0]), state_tensors(opts[1]))
+    w = torch.randn(40, dtype=torch.bfloat16)
+    masters = mpfunc.init_master([w])
+    o = mpfunc.adamw(lr=1e-2)
+    handle = mpfunc.step_in_backward([w], masters, o.init(masters), o)
+    w.requires_grad_(True)
+    (w.float() ** 2).sum().backward()
+    with pytest.raises(ValueError, match=r"params.0: expected no grad.*step_in_backward"):
+        handle.end_step()
+
+
+def test_add_param_group_is_hooked() -> None:
+    nets = [make_net(), make_net()]
+    opts = []
+    for sib, net in zip((False, True), nets):
+        first = [p for n, p in net.named_parameters() if not n.startswith("lin.")]
+        opt = mpfunc.MasterOptimizer(first, step_in_backward=sib, lr=1e-2)
+        opt.add_param_group({"params": list(net.lin.parameters()), "lr": 3e-3})
+        opts.append(opt)
+    for k in range(2):
+        for net, opt in zip(nets, opts):
+            loss_of(net, k).backward()
+            if opt._in_backward is not None:
+                assert net.lin.weight.grad is None  # stepped by its hook
+            opt.step()
+            opt.zero_grad()
+    assert_all_bits([p.detach() for p in nets[0].parameters()],
+                    [p.detach() for p in nets[1].parameters()])  # fmt: skip
