@@ -159,7 +159,11 @@ def _functional(strategy: str, sd: torch.dtype, partitioned: bool, scale: Any, s
     net = make_net(scalar=False)
     params = dict(net.named_parameters())
     masters = mpfunc.init_master(params, strategy=strategy)
-    opt: mpfunc.Optimizer = mpfunc.adamw(lr=1e-2, state_dtype=sd)
+    # A float lr, a 0-d tensor lr, or a schedule of each leaf's step count.
+    lr: Any = {"fp32": 1e-2, "stochastic": torch.tensor(1e-2)}.get(
+        strategy, lambda t: 1e-2 * torch.pow(0.9, t)
+    )
+    opt: mpfunc.Optimizer = mpfunc.adamw(lr=lr, state_dtype=sd)
     if partitioned:
         opt = mpfunc.partition(
             {"a": opt, "b": mpfunc.sgd(lr=1e-2, momentum=0.5)},
@@ -451,15 +455,17 @@ def test_live_grads_never_exceed_the_largest_leaf() -> None:
 
 
 @pytest.mark.xla
-def test_xla_one_graph_per_step_and_same_bits(xla_device: torch.device) -> None:
+@pytest.mark.parametrize("sd", [torch.float32, torch.uint8], ids=str)
+def test_xla_one_graph_per_step_and_same_bits(xla_device: torch.device, sd: torch.dtype) -> None:
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
     def run(sib: bool) -> tuple[list[torch.Tensor], list[int]]:
         net = make_net(scalar=False, device=xla_device)
+        factory = functools.partial(mpfunc.adamw, state_dtype=sd)
         opt = mpfunc.MasterOptimizer(
-            net.parameters(), strategy="stochastic", step_in_backward=sib, lr=1e-2
+            net.parameters(), factory, strategy="stochastic", step_in_backward=sib, lr=1e-2
         )
         torch_xla.sync()
         graphs = []
