@@ -178,6 +178,20 @@ def check_no_grad(fn: str, path: str, p: torch.Tensor) -> None:
         )  # fmt: skip
 
 
+def refuse_data_parallel(fn: str) -> None:
+    """Raises in a process group of more than one rank: DDP, FSDP and mpfunc's own
+    reductions average the grads after they accumulate, and the hooks would step each
+    leaf with this rank's grad alone (replicas would silently drift apart)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"{fn}: expected a single process, got a process group of "
+            f"{dist.get_world_size()} ranks: data parallel training reduces the grads across "
+            f"ranks after they accumulate, but {WHOLE_TREE}, so each rank would step with its "
+            "own grads. Use the ordinary step for data parallel training"
+        )
+
+
 def refuse_dynamic_scale(fn: str, scale: object) -> None:
     if isinstance(scale, _loss_scale.DynamicLossScale):
         raise TypeError(
@@ -325,6 +339,7 @@ def step_in_backward(
     fn = _FN
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{fn}: opt: expected an mpfunc Optimizer, got {_checks.describe(opt)}")
+    refuse_data_parallel(fn)
     refuse_dynamic_scale(fn, scale)
     _loss_scale.scale_value(fn, scale)
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
@@ -361,6 +376,7 @@ _OPT = "MasterOptimizer(step_in_backward=True)"
 
 def optimizer_hooks(opt: Any) -> Hooks:
     """Hooks on every param of ``opt`` that can take a grad, held weakly by them."""
+    refuse_data_parallel(_OPT)
     hooks = Hooks(opt._step_leaf, strong=False)
     for j in range(len(opt._params)):
         watch_optimizer_param(opt, hooks, j)

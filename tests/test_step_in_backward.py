@@ -532,3 +532,22 @@ def test_add_param_group_is_hooked() -> None:
             opt.zero_grad()
     assert_all_bits([p.detach() for p in nets[0].parameters()],
                     [p.detach() for p in nets[1].parameters()])  # fmt: skip
+
+
+def test_data_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process group of several ranks the grads are reduced after they accumulate:
+    stepping each leaf with this rank's grad would silently drift the replicas apart."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    net = make_net()
+    with pytest.raises(RuntimeError, match=r"process group of 2 ranks.*ordinary step"):
+        mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    params = list(net.parameters())
+    masters = mpfunc.init_master(params)
+    o = mpfunc.adamw(lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"process group of 2 ranks"):
+        mpfunc.step_in_backward(params, masters, o.init(masters), o)
+    assert _hooked(params) == 0
