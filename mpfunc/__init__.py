@@ -61,6 +61,7 @@ from mpfunc._policy import Policy
 from mpfunc._quantize import QState
 from mpfunc._sgd import SGDState, sgd
 from mpfunc._sharding import mark_sharding_
+from mpfunc._step_in_backward import StepInBackward, step_in_backward
 from mpfunc._strategy_kahan import KahanMaster
 from mpfunc._strategy_none import RoundedMaster
 from mpfunc._strategy_remainder import RemainderMaster
@@ -85,6 +86,7 @@ __all__ = [
     "RoundedMaster",
     "SGDState",
     "StaticLossScale",
+    "StepInBackward",
     "StochasticMaster",
     "TorchOptimizerState",
     "UpdateStats",
@@ -125,6 +127,7 @@ __all__ = [
     "shard",
     "shard_plan",
     "state_dict",
+    "step_in_backward",
     "torch_optimizer",
     "verify_replicas",
 ]

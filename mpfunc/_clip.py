@@ -7,7 +7,7 @@ from typing import Any, Union
 
 import torch
 
-from mpfunc import _checks, _dtensor, _gc, _plan, _tree
+from mpfunc import _checks, _dtensor, _gc, _plan, _step_in_backward, _tree
 
 __all__ = ["clip_by_global_norm", "clip_by_global_norm_"]
 
@@ -33,6 +33,7 @@ def _check_max_norm(fn: str, max_norm: object) -> MaxNorm:
 def _checked(fn: str, g32: Any, max_norm: object) -> tuple[list[Any], Any, MaxNorm]:
     max_norm = _check_max_norm(fn, max_norm)
     side, spec = _checks.tensor_leaves(fn, "grads", g32)
+    _step_in_backward.refuse_clip(fn, side.leaves)  # grads the step inside backward freed
     _checks.check_leaf_dtypes(fn, side, _checks.FLOAT_DTYPES, "a floating-point grad")
     if fn.endswith("_"):  # the in-place twin writes the grads
         _checks.check_writable(fn, [side])

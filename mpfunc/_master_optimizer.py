@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import required
 
-from mpfunc import _checks, _plan, _sharding
+from mpfunc import _checks, _plan, _sharding, _step_in_backward
 from mpfunc._adam import adamw
 from mpfunc._apply_update import apply_update_
 from mpfunc._checks import Side
@@ -189,9 +189,15 @@ class MasterOptimizer(torch.optim.Optimizer):
         opt: Callable[..., Optimizer] = adamw,
         *,
         strategy: str = "fp32",
+        step_in_backward: bool = False,
         **defaults: Any,
     ) -> None:
         fn = "MasterOptimizer"
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"{fn}: step_in_backward: expected a bool, got "
+                            f"{_checks.describe(step_in_backward)}")  # fmt: skip
+        # The hooks of step_in_backward=True (_step_in_backward); None for the ordinary step.
+        self._in_backward: _step_in_backward.Hooks | None = None
         self._factory, keys, full = self._check_factory(fn, opt, defaults)
         self._strategy = _checks.choice(fn, "strategy", strategy, tuple(STRATEGIES))
         self._keys = keys
@@ -212,6 +218,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._varying: set[str] = set()  # groups whose non-lr values change (XLA: foreach)
         self._opt: Optimizer | None = None  # the partition, rebuilt when a group changes
         super().__init__(params, full)
+        if step_in_backward:
+            self._in_backward = _step_in_backward.optimizer_hooks(self)
 
     @staticmethod
     def _check_factory(
@@ -318,6 +326,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         for j in range(n_old, n_old + n):
             self._link(j)
         self._opt = None
+        if self._in_backward is not None:
+            for j in range(n_old, n_old + n):
+                _step_in_backward.watch_optimizer_param(self, self._in_backward, j)
 
     def _link(self, j: int) -> None:
         """``self.state[param]``: the step's own tensors for param ``j`` (torch's format)."""
@@ -542,6 +553,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                 loss = closure()
         fn = "MasterOptimizer.step"
         skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(grads)")
+        if self._in_backward is not None:  # the leaves stepped in backward: end the step
+            _step_in_backward.optimizer_step(self, skip)
+            return loss
         # Set by GradScaler.step (torch's _step_supports_amp_scaling protocol).
         scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
@@ -568,6 +582,25 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._versions = [p._version for p in self._params]
         self._master_versions = [_version(m) for m in self._masters]
         return loss
+
+    # --- step_in_backward=True ---------------------------------------------------------------
+
+    def _step_leaf(self, j: int, p: torch.Tensor) -> None:
+        """Param ``j``'s hook (step_in_backward=True): steps that leaf alone."""
+        _step_in_backward.optimizer_leaf(self, j, p)
+
+    def close(self) -> None:
+        """Removes the hooks of ``step_in_backward=True`` from the params (idempotent; also
+        done when the optimizer is garbage-collected). After it, ``step()`` steps the grads
+        a backward left, leaf by leaf."""
+        if self._in_backward is not None:
+            self._in_backward.remove()
+
+    def __enter__(self) -> MasterOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- checkpoints ----------------------------------------------------------------------
 

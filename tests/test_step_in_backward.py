@@ -1,0 +1,553 @@
+"""The step inside backward (``MasterOptimizer(step_in_backward=True)``, ``step_in_backward``)
+against the ordinary step after the backward: masters, params and state bit for bit, for
+every strategy, state format and optimizer; None grads, tied params, a scheduler, resume;
+the refusals; hooks removed; live grad bytes during backward; one XLA graph per step."""
+
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.helpers import assert_bits_equal
+
+import mpfunc
+
+STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
+STATE_DTYPES = [torch.float32, torch.bfloat16, torch.uint8]
+FACTORIES: dict[str, Any] = {
+    "adam": functools.partial(mpfunc.adam, amsgrad=True, weight_decay=1e-3),
+    "adamw": functools.partial(mpfunc.adamw, weight_decay=0.1),
+    "sgd": functools.partial(mpfunc.sgd, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "lion": functools.partial(mpfunc.lion, weight_decay=0.1),
+}
+
+
+class Net(torch.nn.Module):
+    """A tied embedding/head, a column-major weight, a layer that never gets a grad, and
+    (unless every leaf must hold an 8-bit block) a 0-d scale. Every other leaf >= 32 elements."""
+
+    def __init__(self, scalar: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 32)
+        self.lin = torch.nn.Linear(32, 32)
+        self.lin2 = torch.nn.Linear(32, 32, bias=False)
+        self.unused = torch.nn.Linear(32, 32, bias=False)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5)) if scalar else None
+        with torch.no_grad():
+            self.lin2.weight.data = self.lin2.weight.data.t().contiguous().t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(self.emb(x)))
+        h = self.lin2(h) + h
+        if self.scale is not None:
+            h = h * self.scale
+        return h @ self.emb.weight.t()  # tied: the embedding is the head too
+
+
+def make_net(scalar: bool = True, device: torch.device | str = "cpu") -> Net:
+    torch.manual_seed(0)
+    return Net(scalar).to(torch.bfloat16).to(device)
+
+
+def batch(k: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + k)
+    x = torch.randint(0, 16, (4, 6), generator=gen)
+    return x.to(device), torch.randint(0, 16, (4, 6), generator=gen).to(device)
+
+
+def loss_of(net: Net, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    x, y = batch(k, device)
+    return torch.nn.functional.cross_entropy(net(x).float().reshape(-1, 16), y.reshape(-1))
+
+
+def state_tensors(opt: mpfunc.MasterOptimizer) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for _, entry in sorted(opt.state_dict()["state"].items()):
+        for _, t in sorted(entry.items()):
+            out += [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
+    return out
+
+
+def train(sib: bool, strategy: str, sd: torch.dtype, name: str, steps: int = 3) -> tuple[Any, Any]:
+    net = make_net(scalar=sd != torch.uint8)
+    factory = functools.partial(FACTORIES[name], state_dtype=sd)
+    opt = mpfunc.MasterOptimizer(
+        net.parameters(), factory, strategy=strategy, step_in_backward=sib, lr=1e-2
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    for k in range(steps):
+        loss_of(net, k).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert net.unused.weight.grad is None
+    return [p.detach().clone() for p in net.parameters()], state_tensors(opt)
+
+
+def assert_all_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x.is_floating_point():
+            assert_bits_equal(x, y)
+        else:  # 8-bit codes, step counts as ints, RNG keys
+            assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu())
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("sd", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_optimizer_matches_ordinary_step(strategy: str, sd: torch.dtype, name: str) -> None:
+    """Params and every state tensor (masters, moments, counts, keys) bit for bit, over three
+    steps with a scheduler; the unused layer never steps; the tied weight steps once."""
+    p0, s0 = train(False, strategy, sd, name)
+    p1, s1 = train(True, strategy, sd, name)
+    assert_all_bits(p0, p1)
+    assert_all_bits(s0, s1)
+
+
+def test_none_grad_param_does_not_step() -> None:
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    before = net.unused.weight.detach().clone()
+    loss_of(net, 0).backward()
+    opt.step()
+    assert torch.equal(net.unused.weight, before)
+    assert float(opt.state[net.unused.weight]["step"]) == 0.0
+    assert float(opt.state[net.lin.weight]["step"]) == 1.0
+    assert float(opt.state[net.emb.weight]["step"]) == 1.0  # tied: one step, both uses
+
+
+def test_resume_is_bit_exact() -> None:
+    """Two steps, state_dict, a fresh model and optimizer loading it, two more steps: the
+    same as four ordinary steps."""
+    ref = make_net()
+    ro = mpfunc.MasterOptimizer(ref.parameters(), strategy="kahan", lr=1e-2)
+    for k in range(4):
+        loss_of(ref, k).backward()
+        ro.step()
+        ro.zero_grad()
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), strategy="kahan", step_in_backward=True, lr=1e-2)
+    for k in range(2):
+        loss_of(net, k).backward()
+        opt.step()
+    saved, model = opt.state_dict(), net.state_dict()
+    opt.close()
+    net2 = make_net()
+    net2.load_state_dict(model)
+    opt2 = mpfunc.MasterOptimizer(
+        net2.parameters(), strategy="kahan", step_in_backward=True, lr=1e-2
+    )
+    opt2.load_state_dict(saved)
+    for k in range(2, 4):
+        loss_of(net2, k).backward()
+        opt2.step()
+    assert_all_bits([p.detach() for p in ref.parameters()], [p.detach() for p in net2.parameters()])
+    assert_all_bits(state_tensors(ro), state_tensors(opt2))
+
+
+# --- the functional form -----------------------------------------------------------------
+
+
+def _functional(strategy: str, sd: torch.dtype, partitioned: bool, scale: Any, stats: bool,
+                sib: bool) -> tuple[list[torch.Tensor], Any]:  # fmt: skip
+    net = make_net(scalar=False)
+    params = dict(net.named_parameters())
+    masters = mpfunc.init_master(params, strategy=strategy)
+    # A float lr, a 0-d tensor lr, or a schedule of each leaf's step count.
+    lr: Any = {"fp32": 1e-2, "stochastic": torch.tensor(1e-2)}.get(
+        strategy, lambda t: 1e-2 * torch.pow(0.9, t)
+    )
+    opt: mpfunc.Optimizer = mpfunc.adamw(lr=lr, state_dtype=sd)
+    if partitioned:
+        opt = mpfunc.partition(
+            {"a": opt, "b": mpfunc.sgd(lr=1e-2, momentum=0.5)},
+            lambda path, p: "a" if "lin" in path else "b",
+        )
+    state = opt.init(masters)
+    st_ = mpfunc.init_stats(masters) if stats else None
+    handle = (
+        mpfunc.step_in_backward(params, masters, state, opt, scale=scale, stats=st_)
+        if sib
+        else None
+    )
+    for k in range(3):
+        loss = loss_of(net, k)
+        if scale is not None:
+            loss = loss * (scale.loss_scale if isinstance(scale, mpfunc.StaticLossScale) else scale)
+        loss.backward()
+        if handle is None:
+            grads = {n: p.grad for n, p in params.items()}
+            mpfunc.apply_update_(masters, grads, state, opt, params=params, scale=scale, stats=st_)
+            for p in params.values():
+                p.grad = None
+        else:
+            handle.end_step()
+    if handle is not None:
+        handle.remove()
+    out = [t for t in _leaves((masters, state, st_)) if isinstance(t, torch.Tensor)]
+    return [p.detach().clone() for p in params.values()], out
+
+
+def _leaves(tree: Any) -> list[Any]:
+    from mpfunc import _tree
+
+    return _tree.flatten(tree)[0]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "sd", "partitioned", "scale", "stats"),
+    [
+        ("fp32", torch.float32, False, None, False),
+        ("stochastic", torch.uint8, False, 8.0, True),
+        ("remainder", torch.bfloat16, True, None, True),
+        ("kahan", torch.uint8, True, mpfunc.StaticLossScale(4.0), False),
+    ],
+)
+def test_functional_matches_apply_update(
+    strategy: str, sd: torch.dtype, partitioned: bool, scale: Any, stats: bool
+) -> None:
+    """One leaf at a time (elementwise optimizers) or over the whole tree with the other
+    grads None (a partition): the bits of ``apply_update_`` after the backward."""
+    p0, s0 = _functional(strategy, sd, partitioned, scale, stats, sib=False)
+    p1, s1 = _functional(strategy, sd, partitioned, scale, stats, sib=True)
+    assert_all_bits(p0, p1)
+    assert_all_bits(s0, s1)
+
+
+LAYOUTS = ["contiguous", "transposed", "channels_last", "sliced", "zero_d"]
+
+
+def _param(layout: str, gen: torch.Generator) -> torch.Tensor:
+    if layout == "transposed":
+        t = torch.randn(5, 7, generator=gen).t()
+    elif layout == "channels_last":
+        t = torch.randn(2, 3, 4, 5, generator=gen).to(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        t = torch.randn(6, 10, generator=gen)[:, ::2]
+    elif layout == "zero_d":
+        t = torch.randn((), generator=gen)
+    else:
+        t = torch.randn(4, 9, generator=gen)
+    return t.to(torch.bfloat16).detach().requires_grad_()
+
+
+@settings(max_examples=12)
+@given(
+    layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=4),
+    used=st.lists(st.booleans(), min_size=4, max_size=4),
+    strategy=st.sampled_from(STRATEGIES),
+    sd=st.sampled_from([torch.float32, torch.bfloat16]),
+    name=st.sampled_from(sorted(FACTORIES)),
+    seed=st.integers(0, 2**16),
+)
+def test_functional_layouts_property(
+    layouts: list[str], used: list[bool], strategy: str, sd: torch.dtype, name: str, seed: int
+) -> None:
+    """Drawn layouts, params that take no grad, every strategy and optimizer: the hooks give
+    ``apply_update_``'s bits (params stepped in place, whatever their strides)."""
+    if not any(used[: len(layouts)]):
+        used = [True, *used[1:]]
+
+    def run(sib: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        params = [_param(kind, gen) for kind in layouts]
+        opt = functools.partial(FACTORIES[name], state_dtype=sd)(lr=1e-2)
+        masters = mpfunc.init_master(params, strategy=strategy)
+        state = opt.init(masters)
+        handle = mpfunc.step_in_backward(params, masters, state, opt) if sib else None
+        for k in range(2):
+            g = torch.Generator().manual_seed(seed + k)
+            loss = sum(
+                (p.float() * torch.randn(p.shape, generator=g)).sum() ** 2
+                for p, u in zip(params, used)
+                if u
+            )
+            assert isinstance(loss, torch.Tensor)
+            loss.backward()
+            if handle is None:
+                mpfunc.apply_update_(masters, [p.grad for p in params], state, opt, params=params)
+                for p in params:
+                    p.grad = None
+            else:
+                handle.end_step()
+                assert all(p.grad is None for p in params)
+        if handle is not None:
+            handle.remove()
+        return [p.detach().clone() for p in params] + [
+            t for t in _leaves((masters, state)) if isinstance(t, torch.Tensor)
+        ]
+
+    assert_all_bits(run(False), run(True))
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+def test_second_backward_is_refused_before_the_leaf_is_written_again() -> None:
+    """Accumulation over two micro-batches (or a retain_graph backward) before step():
+    the first hook of the second backward raises, the leaf keeps its one step."""
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    loss_of(net, 0).backward()
+    after_one = [p.detach().clone() for p in net.parameters()]
+    counts = [float(s["step"]) for s in opt.state.values()]
+    with pytest.raises(RuntimeError, match=r"second grad before the step ended.*opt.step"):
+        loss_of(net, 1).backward()
+    assert_all_bits(after_one, [p.detach() for p in net.parameters()])
+    assert counts == [float(s["step"]) for s in opt.state.values()]
+    opt.zero_grad()
+    opt.step()  # ends the refused step; training goes on
+    loss_of(net, 2).backward()
+    opt.step()
+
+
+def test_retain_graph_backward_is_refused() -> None:
+    w = torch.randn(40, dtype=torch.bfloat16, requires_grad=True)
+    masters = mpfunc.init_master([w])
+    opt = mpfunc.adamw(lr=1e-2)
+    state = opt.init(masters)
+    handle = mpfunc.step_in_backward([w], masters, state, opt)
+    loss = (w.float() * torch.arange(40.0)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"params.0 received a second grad.*handle.end_step\(\)"):
+        loss.backward()
+    handle.remove()
+
+
+def test_dynamic_loss_scale_is_refused_up_front() -> None:
+    net = make_net()
+    params = list(net.parameters())
+    masters = mpfunc.init_master(params)
+    opt = mpfunc.adamw(lr=1e-2)
+    with pytest.raises(TypeError, match=r"DynamicLossScale.*whole tree"):
+        mpfunc.step_in_backward(params, masters, opt.init(masters), opt,
+                                scale=mpfunc.DynamicLossScale())  # fmt: skip
+    assert all(not p._post_accumulate_grad_hooks for p in params)
+
+
+def test_grad_scaler_is_refused() -> None:
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(net, 0)).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler.*inf check spans every grad"):
+        scaler.step(opt)
+
+
+def test_skip_is_refused() -> None:
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    loss_of(net, 0).backward()
+    with pytest.raises(ValueError, match=r"skip: expected None.*before the backward"):
+        opt.step(skip=torch.tensor(False))
+
+
+@pytest.mark.parametrize("fn", [mpfunc.clip_by_global_norm, mpfunc.clip_by_global_norm_])
+def test_global_norm_clip_is_refused(fn: Any) -> None:
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    loss_of(net, 0).backward()
+    with pytest.raises(ValueError, match=r"already stepped and freed them.*global-norm clip"):
+        fn([p.grad for p in net.parameters()], 1.0)
+    opt.step()
+    fn([p.grad for p in net.parameters()], 1.0)  # no step pending: nothing freed, no error
+
+
+def test_leftover_grad_and_non_leaf_are_refused() -> None:
+    net = make_net()
+    loss_of(net, 0).backward()
+    with pytest.raises(ValueError, match=r"params\[0\].*without a \.grad.*got a grad.*zero_grad"):
+        mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    w = torch.randn(40, requires_grad=True)
+    v = w * 2
+    masters = mpfunc.init_master([v.detach()])
+    opt = mpfunc.sgd(lr=1e-2)
+    with pytest.raises(ValueError, match=r"params.0.*a leaf tensor"):
+        mpfunc.step_in_backward([v], masters, opt.init(masters), opt)
+
+
+# --- hooks removed -------------------------------------------------------------------------
+
+
+def _hooked(params: list[torch.Tensor]) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
+
+
+def test_hooks_removed_on_close_exit_and_collection() -> None:
+    net = make_net()
+    params = list(net.parameters())
+    opt = mpfunc.MasterOptimizer(params, step_in_backward=True, lr=1e-2)
+    assert _hooked(params) == len(params)
+    opt.close()
+    opt.close()
+    assert _hooked(params) == 0
+    # After close(), step() steps what a backward left, as the ordinary step does.
+    loss_of(net, 0).backward()
+    opt.step()
+    assert float(opt.state[net.lin.weight]["step"]) == 1.0
+    opt.zero_grad()
+    with mpfunc.MasterOptimizer(params, step_in_backward=True, lr=1e-2) as opt2:
+        assert _hooked(params) == len(params)
+    assert _hooked(params) == 0
+    del opt2
+    mpfunc.MasterOptimizer(params, step_in_backward=True, lr=1e-2)  # dropped at once
+    gc.collect()
+    assert _hooked(params) == 0
+    masters = mpfunc.init_master(params)
+    o = mpfunc.adamw(lr=1e-2)
+    with mpfunc.step_in_backward(params, masters, o.init(masters), o):
+        assert _hooked(params) == len(params)
+    assert _hooked(params) == 0
+
+
+def test_functional_handle_keeps_stepping_when_dropped() -> None:
+    """As torch's hooks: a dropped handle does not silently stop the training."""
+    w = torch.randn(40, dtype=torch.bfloat16, requires_grad=True)
+    masters = mpfunc.init_master([w])
+    opt = mpfunc.adamw(lr=1e-2)
+    state = opt.init(masters)
+    mpfunc.step_in_backward([w], masters, state, opt)
+    gc.collect()
+    (w.float() ** 2).sum().backward()
+    assert w.grad is None and float(state.step[0]) == 1.0
+
+
+# --- memory --------------------------------------------------------------------------------
+
+
+def _peak_live_grads(sib: bool) -> tuple[int, int, int]:
+    """The largest total of live ``.grad`` bytes seen when any grad completes, and at the
+    end of the backward; and the largest leaf's grad bytes."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
+    params = list(net.parameters())
+    peak = [0]
+
+    def count(_: torch.Tensor) -> None:  # registered first: sees the grad just completed
+        live = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        peak[0] = max(peak[0], live)
+
+    hooks = [p.register_post_accumulate_grad_hook(count) for p in params]
+    opt = mpfunc.MasterOptimizer(params, step_in_backward=sib, lr=1e-2)
+    net(torch.randn(8, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+    end = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    opt.step()
+    for h in hooks:
+        h.remove()
+    largest = max(p.numel() * p.element_size() for p in params)
+    return peak[0], end, largest
+
+
+def test_live_grads_never_exceed_the_largest_leaf() -> None:
+    peak, end, largest = _peak_live_grads(True)
+    assert peak == largest and end == 0
+    peak0, end0, _ = _peak_live_grads(False)
+    assert peak0 == end0 == 6 * (64 * 64 + 64) * 2  # the ordinary step holds every grad
+
+
+# --- XLA -------------------------------------------------------------------------------------
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("sd", [torch.float32, torch.uint8], ids=str)
+def test_xla_one_graph_per_step_and_same_bits(xla_device: torch.device, sd: torch.dtype) -> None:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def run(sib: bool) -> tuple[list[torch.Tensor], list[int]]:
+        net = make_net(scalar=False, device=xla_device)
+        factory = functools.partial(mpfunc.adamw, state_dtype=sd)
+        opt = mpfunc.MasterOptimizer(
+            net.parameters(), factory, strategy="stochastic", step_in_backward=sib, lr=1e-2
+        )
+        torch_xla.sync()
+        graphs = []
+        for k in range(4):
+            xm.wait_device_ops()
+            before = (met.metric_data("ExecuteTime") or [0])[0]
+            loss_of(net, k, xla_device).backward()
+            opt.step()
+            opt.zero_grad()
+            torch_xla.sync()
+            xm.wait_device_ops()
+            graphs.append(met.metric_data("ExecuteTime")[0] - before)
+        out = [p.detach().cpu() for p in net.parameters()]
+        return out + [t.cpu() for t in state_tensors(opt)], graphs
+
+    ref, _ = run(False)
+    got, graphs = run(True)
+    assert graphs[1:] == [1, 1, 1], graphs
+    assert_all_bits(ref, got)
+
+
+def test_frozen_then_unfrozen() -> None:
+    """A param frozen when hooked cannot carry a hook: MasterOptimizer.step() steps its late
+    grad after the backward (the same bits); the functional handle refuses it at end_step."""
+    nets = [make_net(), make_net()]
+    opts = []
+    for sib, net in zip((False, True), nets):
+        net.lin.weight.requires_grad_(False)
+        opts.append(mpfunc.MasterOptimizer(net.parameters(), step_in_backward=sib, lr=1e-2))
+    for k in range(3):
+        for net, opt in zip(nets, opts):
+            if k == 1:
+                net.lin.weight.requires_grad_(True)
+            loss_of(net, k).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_all_bits([p.detach() for p in nets[0].parameters()],
+                    [p.detach() for p in nets[1].parameters()])  # fmt: skip
+    assert_all_bits(state_tensors(opts[0]), state_tensors(opts[1]))
+    w = torch.randn(40, dtype=torch.bfloat16)
+    masters = mpfunc.init_master([w])
+    o = mpfunc.adamw(lr=1e-2)
+    handle = mpfunc.step_in_backward([w], masters, o.init(masters), o)
+    w.requires_grad_(True)
+    (w.float() ** 2).sum().backward()
+    with pytest.raises(ValueError, match=r"params.0: expected no grad.*step_in_backward"):
+        handle.end_step()
+
+
+def test_add_param_group_is_hooked() -> None:
+    nets = [make_net(), make_net()]
+    opts = []
+    for sib, net in zip((False, True), nets):
+        first = [p for n, p in net.named_parameters() if not n.startswith("lin.")]
+        opt = mpfunc.MasterOptimizer(first, step_in_backward=sib, lr=1e-2)
+        opt.add_param_group({"params": list(net.lin.parameters()), "lr": 3e-3})
+        opts.append(opt)
+    for k in range(2):
+        for net, opt in zip(nets, opts):
+            loss_of(net, k).backward()
+            if opt._in_backward is not None:
+                assert net.lin.weight.grad is None  # stepped by its hook
+            opt.step()
+            opt.zero_grad()
+    assert_all_bits([p.detach() for p in nets[0].parameters()],
+                    [p.detach() for p in nets[1].parameters()])  # fmt: skip
+
+
+def test_data_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process group of several ranks the grads are reduced after they accumulate:
+    stepping each leaf with this rank's grad would silently drift the replicas apart."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    net = make_net()
+    with pytest.raises(RuntimeError, match=r"process group of 2 ranks.*ordinary step"):
+        mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    params = list(net.parameters())
+    masters = mpfunc.init_master(params)
+    o = mpfunc.adamw(lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"process group of 2 ranks"):
+        mpfunc.step_in_backward(params, masters, o.init(masters), o)
+    assert _hooked(params) == 0
