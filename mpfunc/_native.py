@@ -71,8 +71,11 @@ __all__ = [
     "cast_agrees",
     "casts",
     "key_function",
+    "lerp_tails_mirrored",
+    "lion_kernel",
     "load",
     "loaded",
+    "sgd_kernel",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "adam_mixed.cpp"
@@ -515,31 +518,75 @@ STRATEGY_CODES = {"fp32": 0, "remainder": 1, "kahan": 2, "stochastic": 3, "none"
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
-def _composed(group: Group, h: Any) -> None:
-    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
+def _composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
+    """A group's strategy and state-format codes and its tensors as the composed entries
+    take them: (strategy, format, prims, auxs, data, scales). ``moments``: the state
+    fields, each a list over the group's leaves (none: format 0)."""
     from mpfunc import _strategy  # (_strategy imports the planner, which imports us)
 
-    s = group.state
     first: Any = group.params[0]
     kind = _strategy.by_unit(first)
     strategy = STRATEGY_CODES["fp32" if kind is None else kind.name]
-    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
-    quantized = not isinstance(moments[0][0], torch.Tensor)
-    fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype]
+    quantized = bool(moments) and not isinstance(moments[0][0], torch.Tensor)
+    fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype] if moments else 0
     units: list[Any] = list(group.params)
     prims = units if kind is None else [u.param for u in units]
     auxs = [u[1] for u in units] if kind is not None and len(first) > 1 else []
     data = [[q.codes for q in f] for f in moments] if quantized else moments
     scales = [[q.scale for q in f] for f in moments] if quantized else []
+    return strategy, fmt, prims, auxs, data, scales
+
+
+def _composed(group: Group, h: Any) -> None:
+    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
+    s = group.state
+    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
+    strategy, fmt, prims, auxs, data, scales = _composed_args(group, moments)
     lr = group.lr
     load().step_composed_(
         strategy, fmt, prims, auxs, group.grads, data, scales, s.step, group.model or [],
-        list(group.salts or []) if quantized else [],
+        list(group.salts or []) if fmt == 2 else [],
         0.0 if isinstance(lr, torch.Tensor) else float(lr),
         lr if isinstance(lr, torch.Tensor) else None, float(h.beta1), float(h.beta2),
         float(h.eps), float(h.weight_decay), bool(h.decoupled), bool(h.amsgrad),
         bool(h.maximize), group.scale, group.skip,
     )  # fmt: skip
+
+
+def _rule_step(group: Group, rule: int, moment: Any, a: float, b: float, h: Any) -> None:
+    """``step_rule_``: SGD (``rule`` 0) or Lion (1) over any strategy and state format."""
+    strategy, fmt, prims, auxs, data, scales = _composed_args(
+        group, [] if moment is None else [moment]
+    )
+    lr = group.lr
+    load().step_rule_(
+        rule, strategy, fmt, prims, auxs, group.grads, data, scales, group.state.step,
+        group.model or [], 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+        lr if isinstance(lr, torch.Tensor) else None, float(a), float(b),
+        float(h.weight_decay), bool(getattr(h, "nesterov", False)), bool(h.maximize),
+        group.scale, group.skip,
+    )  # fmt: skip
+
+
+def sgd_kernel(group: Group, h: Any) -> None:
+    """``sgd``'s ``"native"`` kernel: the whole group in one pass (``step_rule_``), bit for
+    bit ``_sgd._foreach`` on the strategy's fp32 values (the torch path), under the same
+    contract and for the same leaves as ``adam_kernel``."""
+    buf = group.state.momentum_buffer if h.momentum else None
+    _rule_step(group, 0, buf, h.momentum, h.dampening, h)
+
+
+def lion_kernel(group: Group, h: Any) -> None:
+    """``lion``'s ``"native"`` kernel: as ``sgd_kernel``, bit for bit ``_lion._foreach``."""
+    _rule_step(group, 1, group.state.exp_avg, h.beta1, h.beta2, h)
+
+
+def lerp_tails_mirrored() -> bool:
+    """Whether ``step_rule_`` mirrors where torch's lerp takes its scalar form (which differs
+    from its vector form only in a zero's sign, at a weight of 1: Lion with a beta of 0).
+    Probed on torch 2.9's AVX512 kernels only; Lion with a zero beta takes the torch path
+    elsewhere."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 # --- casts ------------------------------------------------------------------------------------
