@@ -15,6 +15,10 @@ by ``_plan._composed_fits``): per tile of 1,024 elements the strategy's load and
 format's decode fill cache-resident fp32 scratch, the fp32 math runs on it, and the encode
 and store write it back, bit for bit the torch path (load, torch's fused kernel, store).
 
+``sgd_kernel`` and ``lion_kernel`` (the ``"native"`` kernels of ``sgd`` and ``lion``) run
+the same composed pieces around SGD's or Lion's math (``step_rule_``), bit for bit the
+torch path with the foreach kernel.
+
 ``cast_`` converts lists of
 tensors between float32 and bfloat16/float16 bit for bit as ``Tensor.to`` does, NaN
 included (mpfunc uses it only for the dtype pairs where torch's own NaN bits do not
