@@ -146,26 +146,31 @@ def test_native_sgd_lion_equal_torch_path(
         assert ran, "the native pass never ran"
 
 
-@pytest.mark.parametrize("n", [40, 1000, 40017, 70001])
+@pytest.mark.parametrize("n", [40, 1000, 40017, 70001, 131079])
 @pytest.mark.parametrize("betas", [(0.9, 0.0), (0.0, 0.0)], ids=str)
 def test_lion_zero_beta_mirrors_torchs_lerp_forms(
-    ran: list[int], threads: int, n: int, betas: tuple[float, float]
+    ran: list[int], n: int, betas: tuple[float, float]
 ) -> None:
     """With a beta of 0, torch's lerp writes -0 or +0 by the element's place in its thread
-    split (vector loop or scalar tail); the native pass must write the same zeros."""
-    gen = torch.Generator().manual_seed(n)
-    out = []
-    for impl in ("foreach", "auto"):
-        masters = {"w": torch.randn(n, generator=gen)}
-        opt = mpfunc.lion(lr=1e-2, betas=betas, impl=impl)
-        state = opt.init(masters)
-        state.exp_avg["w"].copy_(torch.randn(n, generator=gen))
-        grads = {"w": torch.full((n,), -0.0)}
-        masters, state = mpfunc.apply_update_(masters, grads, state, opt)
-        out.append((masters, state))
-        gen = torch.Generator().manual_seed(n)
-    assert_trees_bits_equal(out[1], out[0])
-    assert ran == [1]
+    split (vector loop or scalar tail); the native pass must write the same zeros, at any
+    thread count (here 1 to 4: 131,079 elements make 4 parts)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            out = []
+            for impl in ("foreach", "auto"):
+                gen = torch.Generator().manual_seed(n)
+                masters = {"w": torch.randn(n, generator=gen)}
+                opt = mpfunc.lion(lr=1e-2, betas=betas, impl=impl)
+                state = opt.init(masters)
+                state.exp_avg["w"].copy_(torch.randn(n, generator=gen))
+                grads = {"w": torch.full((n,), -0.0)}
+                out.append(mpfunc.apply_update_(masters, grads, state, opt))
+            assert_trees_bits_equal(out[1], out[0])
+    finally:
+        torch.set_num_threads(before)
+    assert ran == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("name", ["sgd", "sgd-momentum", "lion"])

@@ -1968,19 +1968,22 @@ void rule_rows(float* P, float* M, const void* grad, void* out, std::int64_t b, 
                const RHyper& h, const RVec& k) {
   const auto* Gr = static_cast<const typename G::T*>(grad);
   auto* Ro = static_cast<typename O::T*>(out);
-  fVec g0, g1, p0, p1, m0(0.0f), m1(0.0f);
-  for (std::int64_t i = b; i < e; i += kBlock) {
-    const std::int64_t count = std::min(kBlock, e - i);
-    load2<G, false>(Gr + i, count, g0, g1);
-    load2<F32, false>(P + i, count, p0, p1);
-    if (M != nullptr) load2<F32, false>(M + i, count, m0, m1);
-    if constexpr (!std::is_void_v<typename O::T>) refresh<O, false>(Ro + i, count, p0, p1);
+  auto block = [&](auto full, std::int64_t i, std::int64_t count) {
+    constexpr bool kFull = decltype(full)::value;
+    fVec g0, g1, p0, p1, m0(0.0f), m1(0.0f);
+    load2<G, kFull>(Gr + i, count, g0, g1);
+    load2<F32, kFull>(P + i, count, p0, p1);
+    if (M != nullptr) load2<F32, kFull>(M + i, count, m0, m1);
+    if constexpr (!std::is_void_v<typename O::T>) refresh<O, kFull>(Ro + i, count, p0, p1);
     p0 = rule_math<kTail>(g0, p0, m0, h, k);
     p1 = rule_math<kTail>(g1, p1, m1, h, k);
-    store2<F32, false>(P + i, count, p0, p1);
-    if (M != nullptr) store2<F32, false>(M + i, count, m0, m1);
-    if constexpr (!std::is_void_v<typename O::T>) store2<O, false>(Ro + i, count, p0, p1);
-  }
+    store2<F32, kFull>(P + i, count, p0, p1);
+    if (M != nullptr) store2<F32, kFull>(M + i, count, m0, m1);
+    if constexpr (!std::is_void_v<typename O::T>) store2<O, kFull>(Ro + i, count, p0, p1);
+  };
+  std::int64_t i = b;
+  for (; i + kBlock <= e; i += kBlock) block(std::true_type{}, i, kBlock);
+  if (i < e) block(std::false_type{}, i, e - i);
 }
 
 using RowsFn = void (*)(float*, float*, const void*, void*, std::int64_t, std::int64_t,
