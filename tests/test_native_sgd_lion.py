@@ -232,3 +232,24 @@ def test_native_rule_refuses_a_wrong_call_before_writing(native: Any) -> None:
     with pytest.raises(ValueError, match=r"one state field"):  # Lion without its moment
         native.step_rule_(1, 1, 0, [p], [r], [g], [], [], [step], [], *args.values())
     assert_unchanged([p, r, m, step], before)
+
+
+def test_sgd_dampening_follows_each_leafs_own_step_count(ran: list[int]) -> None:
+    """A leaf without a grad at one step keeps its count; dampening's first-step
+    coefficient is then 1 for it and 1 - dampening for the others, in one native call."""
+    out = []
+    for impl in ("foreach", "auto"):
+        gen = torch.Generator().manual_seed(5)
+        masters = {"a": torch.randn(100, generator=gen), "b": torch.randn(37, generator=gen)}
+        opt = mpfunc.sgd(lr=0.1, momentum=0.9, dampening=0.3, impl=impl)
+        state = opt.init(masters)
+        for holes in (("b",), ()):
+            grads: dict[str, Any] = {
+                k: None if k in holes else torch.randn(v.shape, generator=gen)
+                for k, v in masters.items()
+            }
+            masters, state = mpfunc.apply_update_(masters, grads, state, opt)
+        out.append((masters, state))
+    assert_trees_bits_equal(out[1], out[0])
+    assert float(out[1][1].step["a"]) == 2 and float(out[1][1].step["b"]) == 1
+    assert ran and ran[-1] == 2
