@@ -105,9 +105,6 @@ _RULE = Rule(
     kernels={"reference": _reference, "foreach": _foreach, "xla": _xla,
              "native": _native.lion_kernel},
 )  # fmt: skip
-# A beta of 0 makes a lerp whose scalar and vector forms differ in a zero's sign; the native
-# pass mirrors where torch takes which only where that was probed (``lerp_tails_mirrored``).
-_RULE_TORCH = _RULE._replace(kernels={k: v for k, v in _RULE.kernels.items() if k != "native"})
 
 
 def lion(
@@ -149,11 +146,6 @@ def lion(
         maximize=bool(maximize),
     )
     chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference", "xla"))
-    exact = (h.beta1 != 0 and h.beta2 != 0) or _native.lerp_tails_mirrored()
     return _plan.elementwise(
-        _RULE if exact else _RULE_TORCH,
-        h,
-        chosen,
-        _checks.lr(fn, lr),
-        _checks.state_dtype(fn, state_dtype),
+        _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
     )

@@ -75,10 +75,10 @@ __all__ = [
     "cast_agrees",
     "casts",
     "key_function",
-    "lerp_tails_mirrored",
     "lion_kernel",
     "load",
     "loaded",
+    "serves",
     "sgd_kernel",
 ]
 
@@ -585,12 +585,70 @@ def lion_kernel(group: Group, h: Any) -> None:
     _rule_step(group, 1, group.state.exp_avg, h.beta1, h.beta2, h)
 
 
-def lerp_tails_mirrored() -> bool:
-    """Whether ``step_rule_`` mirrors where torch's lerp takes its scalar form (which differs
-    from its vector form only in a zero's sign, at a weight of 1: Lion with a beta of 0).
-    Probed on torch 2.9's AVX512 kernels only; Lion with a zero beta takes the torch path
-    elsewhere."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+# Whether step_rule_ gives this torch's bits, per (rule kernel, a zero beta): decided once.
+_serving: dict[tuple[Any, bool], bool] = {}
+
+
+def serves(kernel: Any, h: Any) -> bool:
+    """Whether the native ``kernel`` can take a rule's leaves here: the module is available
+    (built on the first call, as ``available``) and, for ``sgd_kernel`` and
+    ``lion_kernel``, it writes exactly what this process's torch writes on the torch path.
+
+    Their bits rest on how torch's foreach ops round (every multiply-add an FMA in the
+    vector loop and the tail; lerp's tail form, which differs at a weight of 1, on the last
+    ``len % 16`` elements of each thread's part), probed on torch 2.9's AVX512, AVX2 and
+    DEFAULT kernels. Another torch may round otherwise, so each process runs both on probe
+    leaves once (lengths that end in every kind of tail, signed zeros, a later step, float
+    and tensor lrs; Lion with a zero beta on its own) before using the pass, like
+    ``cast_agrees``; where they differ, the rule keeps the torch path.
+    """
+    if not available():
+        return False
+    if kernel is not sgd_kernel and kernel is not lion_kernel:
+        return True
+    zero_beta = kernel is lion_kernel and (h.beta1 == 0 or h.beta2 == 0)
+    key = (kernel, zero_beta)
+    if key not in _serving:
+        with torch.no_grad():
+            _serving[key] = _rule_probe(kernel, zero_beta)
+        if not _serving[key]:
+            _log.info("mpfunc: %s differs from this torch's foreach ops; using those",
+                      kernel.__name__)  # fmt: skip
+    return _serving[key]
+
+
+def _rule_probe(kernel: Any, zero_beta: bool) -> bool:
+    from mpfunc import _lion, _sgd  # (both import this module)
+    from mpfunc._optimizer import Group
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = (7, 40, 1000, 40017)  # tails of 7, 8 and 17 (two parts from 2 threads)
+    cases: list[tuple[Any, Any]]
+    if kernel is sgd_kernel:
+        make, field, spec = _sgd.SGDState, "momentum_buffer", _sgd._foreach
+        cases = [(_sgd.SGDHyper(0.9, 0.3, 0.1, False, False), 0.05),
+                 (_sgd.SGDHyper(0.9, 0.0, 0.01, True, True), torch.tensor(0.05))]  # fmt: skip
+    else:
+        make, field, spec = _lion.LionState, "exp_avg", _lion._foreach
+        b1, b2 = (0.0, 0.0) if zero_beta else (0.9, 0.99)
+        cases = [(_lion.LionHyper(b1, b2, 0.1, False), 1e-2),
+                 (_lion.LionHyper(b1, b2, 0.0, True), torch.tensor(1e-2))]  # fmt: skip
+    for h, lr in cases:
+        ps = [torch.randn(n, generator=gen) for n in sizes]
+        gs = [torch.randn(n, generator=gen) for n in sizes]
+        for g in gs:
+            g[::3] = -0.0  # (lerp's two forms differ in a zero's sign)
+        ms = [torch.randn(n, generator=gen) for n in sizes]
+        runs = []
+        for run in (spec, kernel):
+            state = make(step=[torch.ones(()) for _ in sizes], **{field: [m.clone() for m in ms]})
+            group = Group([p.clone() for p in ps], gs, state, lr, None)
+            run(group, h)
+            runs.append([*group.params, *getattr(state, field), *state.step])
+        for x, y in zip(*runs):
+            if not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+                return False
+    return True
 
 
 # --- casts ------------------------------------------------------------------------------------

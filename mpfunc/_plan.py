@@ -668,7 +668,7 @@ def _plan_elementwise(
             f"{fn}: impl='xla': {rule.name} has no XLA kernel; use 'auto' or 'foreach'"
         )
     if groups is None:
-        groups = _decide(fn, rule, impl, step, moments, model)
+        groups = _decide(fn, rule, hyper, impl, step, moments, model)
         if memo_key is not None:
             step.memo.put(memo_key, groups, parts)
     steps = fields.get("step")
@@ -726,6 +726,7 @@ def _plan_elementwise(
 def _decide(
     fn: str,
     rule: Rule,
+    hyper: Any,
     impl: str,
     step: Step,
     moments: list[list[Any]],
@@ -793,7 +794,7 @@ def _decide(
         param = None if model is None else model[i]
         if impl == "auto" and not traced and step.stats is None:
             fmt = _composed_fits(rule, s, m, g, stored, param)
-            if fmt is not None and _native.available():
+            if fmt is not None and _native.serves(rule.kernels["native"], hyper):
                 # One strategy, state format, grad dtype and model dtype per call.
                 keys.append((
                     f.device, compute, "native", g.dtype, None if param is None else param.dtype,
@@ -806,7 +807,7 @@ def _decide(
             and not traced  # (an extension op with no fake kernel)
             and step.stats is None  # the native kernel keeps no old values to compare
             and _native_fits(rule, m, g, stored, param)
-            and _native.available()
+            and _native.serves(rule.kernels["native"], hyper)
         ):
             # One grad dtype and one model dtype per call (converted in its loads/stores).
             keys.append(

@@ -13,6 +13,7 @@ skipped steps, loss scales, tensor lrs, several steps, 1 and 2 threads. Bits mus
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpfunc
-from mpfunc import _native
+from mpfunc import _checks, _native
 from mpfunc._optimizer import Group
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
@@ -48,6 +49,12 @@ def ran(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[int]]:
 
     monkeypatch.setattr(_native, "_rule_step", spy)
     yield seen
+
+
+def _serves(name: str, betas: tuple[float, float] = (0.9, 0.99)) -> bool:
+    """Whether the native pass takes this rule here (its probe of this torch agreed)."""
+    kernel = _native.lion_kernel if name == "lion" else _native.sgd_kernel
+    return _native.serves(kernel, SimpleNamespace(beta1=betas[0], beta2=betas[1]))
 
 
 @pytest.fixture(params=[1, 2], ids=lambda t: f"{t}threads")
@@ -140,7 +147,8 @@ def test_native_sgd_lion_equal_torch_path(
     assert_trees_bits_equal(got, want, nan_payload=False)
     # Grads are contiguous (channels_last for 4-d leaves): the native pass takes every leaf
     # whose param shares that layout.
-    if any(kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
+    if _serves(c["name"], c["kw"].get("betas", (0.9, 0.99))) and any(
+        kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
         c["strategy"] == "stochastic" or c["state_dtype"] == torch.uint8))
         for kind, _ in c["layouts"]):  # fmt: skip
         assert ran, "the native pass never ran"
@@ -170,7 +178,7 @@ def test_lion_zero_beta_mirrors_torchs_lerp_forms(
             assert_trees_bits_equal(out[1], out[0])
     finally:
         torch.set_num_threads(before)
-    assert ran == [1, 1, 1, 1]
+    assert ran == ([1, 1, 1, 1] if _serves("lion", betas) else [])
 
 
 @pytest.mark.parametrize("name", ["sgd", "sgd-momentum", "lion"])
@@ -189,7 +197,7 @@ def test_every_pair_takes_the_native_pass(
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
     mpfunc.apply_update_(masters, grads, state, opt, **kw)
-    assert ran == [2]
+    assert ran == ([2] if _serves(name.removesuffix("-momentum")) else [])
 
 
 def test_sgd_fp32_equals_torch_optim_sgd(ran: list[int], threads: int) -> None:
@@ -213,7 +221,7 @@ def test_sgd_fp32_equals_torch_optim_sgd(ran: list[int], threads: int) -> None:
             grads = {str(i): g for i, g in enumerate(gs)}
             masters, state = mpfunc.apply_update_(masters, grads, state, opt)
         assert_trees_bits_equal({str(i): r.detach() for i, r in enumerate(ref)}, masters)
-    assert ran
+    assert bool(ran) == _serves("sgd")
 
 
 def test_native_rule_refuses_a_wrong_call_before_writing(native: Any) -> None:
@@ -252,4 +260,22 @@ def test_sgd_dampening_follows_each_leafs_own_step_count(ran: list[int]) -> None
         out.append((masters, state))
     assert_trees_bits_equal(out[1], out[0])
     assert float(out[1][1].step["a"]) == 2 and float(out[1][1].step["b"]) == 1
-    assert ran and ran[-1] == 2
+    assert not _serves("sgd") or ran[-1] == 2
+
+
+def test_the_probe_agrees_here_and_a_disagreeing_torch_keeps_the_torch_path(
+    ran: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_native.serves`` runs the native pass and torch's foreach ops on probe leaves once
+    per process; on this torch they agree. Where they would not, SGD and Lion take the
+    torch path (and Adam's native pass is unaffected)."""
+    assert _serves("sgd") and _serves("lion") and _serves("lion", (0.0, 0.0))
+    monkeypatch.setattr(_native, "_serving", {})
+    monkeypatch.setattr(_native, "_rule_probe", lambda kernel, zero_beta: False)
+    with _checks.memo_off():
+        for opt in (mpfunc.sgd(lr=0.1, momentum=0.9), mpfunc.lion(lr=0.1)):
+            masters = {"w": torch.randn(100)}
+            state = opt.init(masters)
+            mpfunc.apply_update_(masters, {"w": torch.randn(100)}, state, opt)
+    assert ran == []
+    assert not _serves("sgd") and _native.serves(_native.adam_kernel, None)
