@@ -624,6 +624,8 @@ def _rule_probe(kernel: Any, zero_beta: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     sizes = (7, 40, 1000, 40017)  # tails of 7, 8 and 17 (two parts from 2 threads)
     cases: list[tuple[Any, Any]]
+    make: Any
+    spec: Any
     if kernel is sgd_kernel:
         make, field, spec = _sgd.SGDState, "momentum_buffer", _sgd._foreach
         cases = [(_sgd.SGDHyper(0.9, 0.3, 0.1, False, False), 0.05),
