@@ -6,7 +6,9 @@ Optimization Algorithms" (Algorithm 2), over master trees::
     m = beta2 * m + (1 - beta2) * g          # the momentum tracks with beta2
 
 One moment instead of Adam's two. torch has no Lion, so the tests check it
-against a plain per-tensor transcription of those three lines.
+against a plain per-tensor transcription of those three lines. On the CPU the default is
+mpfunc's native pass (``_native.lion_kernel``), bit for bit ``_foreach`` on the
+strategy's fp32 values, for every master strategy and state format.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _plan
+from mpfunc import _checks, _native, _plan
 from mpfunc._checks import LRArg
 from mpfunc._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
 
@@ -100,7 +102,8 @@ def _xla(group: Group, h: LionHyper) -> None:
 
 _RULE = Rule(
     name="lion", state_type=LionState, fields=_fields,
-    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla},
+    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla,
+             "native": _native.lion_kernel},
 )  # fmt: skip
 
 
@@ -123,9 +126,9 @@ def lion(
       betas: ``(beta1, beta2)``: the interpolation for the sign, and the momentum decay.
       weight_decay: decoupled, as in AdamW: the master is multiplied by ``1 - lr * wd``.
       maximize: ascend instead of descend.
-      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, else
-        foreach), ``"foreach"`` (multi-tensor ops), ``"xla"`` or ``"reference"`` (a
-        per-tensor loop).
+      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, mpfunc's
+        native pass on the CPU where it applies, else foreach), ``"foreach"``
+        (multi-tensor ops), ``"xla"`` or ``"reference"`` (a per-tensor loop).
 
     Returns:
       An ``Optimizer`` whose state is a ``LionState``.

@@ -15,6 +15,10 @@ by ``_plan._composed_fits``): per tile of 1,024 elements the strategy's load and
 format's decode fill cache-resident fp32 scratch, the fp32 math runs on it, and the encode
 and store write it back, bit for bit the torch path (load, torch's fused kernel, store).
 
+``sgd_kernel`` and ``lion_kernel`` (the ``"native"`` kernels of ``sgd`` and ``lion``) run
+the same composed pieces around SGD's or Lion's math (``step_rule_``), bit for bit the
+torch path with the foreach kernel.
+
 ``cast_`` converts lists of
 tensors between float32 and bfloat16/float16 bit for bit as ``Tensor.to`` does, NaN
 included (mpfunc uses it only for the dtype pairs where torch's own NaN bits do not
@@ -71,8 +75,11 @@ __all__ = [
     "cast_agrees",
     "casts",
     "key_function",
+    "lion_kernel",
     "load",
     "loaded",
+    "serves",
+    "sgd_kernel",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "adam_mixed.cpp"
@@ -515,31 +522,135 @@ STRATEGY_CODES = {"fp32": 0, "remainder": 1, "kahan": 2, "stochastic": 3, "none"
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
-def _composed(group: Group, h: Any) -> None:
-    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
+def _composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
+    """A group's strategy and state-format codes and its tensors as the composed entries
+    take them: (strategy, format, prims, auxs, data, scales). ``moments``: the state
+    fields, each a list over the group's leaves (none: format 0)."""
     from mpfunc import _strategy  # (_strategy imports the planner, which imports us)
 
-    s = group.state
     first: Any = group.params[0]
     kind = _strategy.by_unit(first)
     strategy = STRATEGY_CODES["fp32" if kind is None else kind.name]
-    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
-    quantized = not isinstance(moments[0][0], torch.Tensor)
-    fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype]
+    quantized = bool(moments) and not isinstance(moments[0][0], torch.Tensor)
+    fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype] if moments else 0
     units: list[Any] = list(group.params)
     prims = units if kind is None else [u.param for u in units]
     auxs = [u[1] for u in units] if kind is not None and len(first) > 1 else []
     data = [[q.codes for q in f] for f in moments] if quantized else moments
     scales = [[q.scale for q in f] for f in moments] if quantized else []
+    return strategy, fmt, prims, auxs, data, scales
+
+
+def _composed(group: Group, h: Any) -> None:
+    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
+    s = group.state
+    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
+    strategy, fmt, prims, auxs, data, scales = _composed_args(group, moments)
     lr = group.lr
     load().step_composed_(
         strategy, fmt, prims, auxs, group.grads, data, scales, s.step, group.model or [],
-        list(group.salts or []) if quantized else [],
+        list(group.salts or []) if fmt == 2 else [],
         0.0 if isinstance(lr, torch.Tensor) else float(lr),
         lr if isinstance(lr, torch.Tensor) else None, float(h.beta1), float(h.beta2),
         float(h.eps), float(h.weight_decay), bool(h.decoupled), bool(h.amsgrad),
         bool(h.maximize), group.scale, group.skip,
     )  # fmt: skip
+
+
+def _rule_step(group: Group, rule: int, moment: Any, a: float, b: float, h: Any) -> None:
+    """``step_rule_``: SGD (``rule`` 0) or Lion (1) over any strategy and state format."""
+    strategy, fmt, prims, auxs, data, scales = _composed_args(
+        group, [] if moment is None else [moment]
+    )
+    lr = group.lr
+    load().step_rule_(
+        rule, strategy, fmt, prims, auxs, group.grads, data, scales, group.state.step,
+        group.model or [], 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+        lr if isinstance(lr, torch.Tensor) else None, float(a), float(b),
+        float(h.weight_decay), bool(getattr(h, "nesterov", False)), bool(h.maximize),
+        group.scale, group.skip,
+    )  # fmt: skip
+
+
+def sgd_kernel(group: Group, h: Any) -> None:
+    """``sgd``'s ``"native"`` kernel: the whole group in one pass (``step_rule_``), bit for
+    bit ``_sgd._foreach`` on the strategy's fp32 values (the torch path), under the same
+    contract and for the same leaves as ``adam_kernel``."""
+    buf = group.state.momentum_buffer if h.momentum else None
+    _rule_step(group, 0, buf, h.momentum, h.dampening, h)
+
+
+def lion_kernel(group: Group, h: Any) -> None:
+    """``lion``'s ``"native"`` kernel: as ``sgd_kernel``, bit for bit ``_lion._foreach``."""
+    _rule_step(group, 1, group.state.exp_avg, h.beta1, h.beta2, h)
+
+
+# Whether step_rule_ gives this torch's bits, per (rule kernel, a zero beta): decided once.
+_serving: dict[tuple[Any, bool], bool] = {}
+
+
+def serves(kernel: Any, h: Any) -> bool:
+    """Whether the native ``kernel`` can take a rule's leaves here: the module is available
+    (built on the first call, as ``available``) and, for ``sgd_kernel`` and
+    ``lion_kernel``, it writes exactly what this process's torch writes on the torch path.
+
+    Their bits rest on how torch's foreach ops round (every multiply-add an FMA in the
+    vector loop and the tail; lerp's tail form, which differs at a weight of 1, on the last
+    ``len % 16`` elements of each thread's part), probed on torch 2.9's AVX512, AVX2 and
+    DEFAULT kernels. Another torch may round otherwise, so each process runs both on probe
+    leaves once (lengths that end in every kind of tail, signed zeros, a later step, float
+    and tensor lrs; Lion with a zero beta on its own) before using the pass, like
+    ``cast_agrees``; where they differ, the rule keeps the torch path.
+    """
+    if not available():
+        return False
+    if kernel is not sgd_kernel and kernel is not lion_kernel:
+        return True
+    zero_beta = kernel is lion_kernel and (h.beta1 == 0 or h.beta2 == 0)
+    key = (kernel, zero_beta)
+    if key not in _serving:
+        with torch.no_grad():
+            _serving[key] = _rule_probe(kernel, zero_beta)
+        if not _serving[key]:
+            _log.info("mpfunc: %s differs from this torch's foreach ops; using those",
+                      kernel.__name__)  # fmt: skip
+    return _serving[key]
+
+
+def _rule_probe(kernel: Any, zero_beta: bool) -> bool:
+    from mpfunc import _lion, _sgd  # (both import this module)
+    from mpfunc._optimizer import Group
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = (7, 40, 1000, 40017)  # tails of 7, 8 and 17 (two parts from 2 threads)
+    cases: list[tuple[Any, Any]]
+    make: Any
+    spec: Any
+    if kernel is sgd_kernel:
+        make, field, spec = _sgd.SGDState, "momentum_buffer", _sgd._foreach
+        cases = [(_sgd.SGDHyper(0.9, 0.3, 0.1, False, False), 0.05),
+                 (_sgd.SGDHyper(0.9, 0.0, 0.01, True, True), torch.tensor(0.05))]  # fmt: skip
+    else:
+        make, field, spec = _lion.LionState, "exp_avg", _lion._foreach
+        b1, b2 = (0.0, 0.0) if zero_beta else (0.9, 0.99)
+        cases = [(_lion.LionHyper(b1, b2, 0.1, False), 1e-2),
+                 (_lion.LionHyper(b1, b2, 0.0, True), torch.tensor(1e-2))]  # fmt: skip
+    for h, lr in cases:
+        ps = [torch.randn(n, generator=gen) for n in sizes]
+        gs = [torch.randn(n, generator=gen) for n in sizes]
+        for g in gs:
+            g[::3] = -0.0  # (lerp's two forms differ in a zero's sign)
+        ms = [torch.randn(n, generator=gen) for n in sizes]
+        runs = []
+        for run in (spec, kernel):
+            state = make(step=[torch.ones(()) for _ in sizes], **{field: [m.clone() for m in ms]})
+            group = Group([p.clone() for p in ps], gs, state, lr, None)
+            run(group, h)
+            runs.append([*group.params, *getattr(state, field), *state.step])
+        for x, y in zip(*runs):
+            if not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+                return False
+    return True
 
 
 # --- casts ------------------------------------------------------------------------------------

@@ -292,10 +292,10 @@ def _composed_fits(
     """The native state-format code (``_native.FORMAT_CODES``) if the rule's ``native``
     kernel can take this leaf of a master strategy other than plain fp32-with-fp32-state,
     else ``None``: on the CPU, a strategy and param dtype it knows, moments all fp32, all
-    bf16 or all 8-bit, a grad and model param of its dtypes; the leaf's tensors dense with
-    one stride, and contiguous where draws (``"stochastic"``) or 8-bit blocks follow the
-    element index."""
-    if "native" not in rule.kernels or not stored:
+    bf16 or all 8-bit (or none: code 0), a grad and model param of its dtypes; the leaf's
+    tensors dense with one stride, and contiguous where draws (``"stochastic"``) or 8-bit
+    blocks follow the element index."""
+    if "native" not in rule.kernels:
         return None
     f = m if s is None else m.param
     if not isinstance(f, torch.Tensor) or not f.is_cpu or g.dtype not in _NATIVE_IO:
@@ -311,8 +311,11 @@ def _composed_fits(
     if param is not None and param.dtype not in _NATIVE_IO:
         return None
     # Runs per leaf in a step that plans in full: loops, not generators (100,000 leaves).
-    first = stored[0]
-    if isinstance(first, QState):
+    first = stored[0] if stored else None
+    if first is None:  # no state (SGD without momentum)
+        fmt = 0
+        tensors = [f, g, aux, param]
+    elif isinstance(first, QState):
         fmt = 2
         for x in stored:
             if not isinstance(x, QState):
@@ -665,7 +668,7 @@ def _plan_elementwise(
             f"{fn}: impl='xla': {rule.name} has no XLA kernel; use 'auto' or 'foreach'"
         )
     if groups is None:
-        groups = _decide(fn, rule, impl, step, moments, model)
+        groups = _decide(fn, rule, hyper, impl, step, moments, model)
         if memo_key is not None:
             step.memo.put(memo_key, groups, parts)
     steps = fields.get("step")
@@ -723,6 +726,7 @@ def _plan_elementwise(
 def _decide(
     fn: str,
     rule: Rule,
+    hyper: Any,
     impl: str,
     step: Step,
     moments: list[list[Any]],
@@ -790,7 +794,7 @@ def _decide(
         param = None if model is None else model[i]
         if impl == "auto" and not traced and step.stats is None:
             fmt = _composed_fits(rule, s, m, g, stored, param)
-            if fmt is not None and _native.available():
+            if fmt is not None and _native.serves(rule.kernels["native"], hyper):
                 # One strategy, state format, grad dtype and model dtype per call.
                 keys.append((
                     f.device, compute, "native", g.dtype, None if param is None else param.dtype,
@@ -803,7 +807,7 @@ def _decide(
             and not traced  # (an extension op with no fake kernel)
             and step.stats is None  # the native kernel keeps no old values to compare
             and _native_fits(rule, m, g, stored, param)
-            and _native.available()
+            and _native.serves(rule.kernels["native"], hyper)
         ):
             # One grad dtype and one model dtype per call (converted in its loads/stores).
             keys.append(

@@ -2,7 +2,12 @@
 
 Two implementations of one step, as torch.optim.SGD defines it:
 
-* ``foreach``: ``torch._foreach_*`` ops, grouped by (device, dtype). Default.
+* ``native``: mpfunc's own CPU kernel (``_native.sgd_kernel``): the whole mixed step in
+  one pass for every master strategy and state format, bit for bit ``foreach`` on the
+  strategy's fp32 values. Default on the CPU where the leaf's tensors share one dense
+  layout (``_plan`` decides).
+* ``foreach``: ``torch._foreach_*`` ops, grouped by (device, dtype). The specification;
+  the default elsewhere.
 * ``xla``: on XLA, the whole group as one traced node (``_xla_kernels``). Default there
   for fp32 masters.
 * ``reference``: the same ops one tensor at a time, to read.
@@ -21,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _checks, _plan
+from mpfunc import _checks, _native, _plan
 from mpfunc._checks import LRArg
 from mpfunc._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
 
@@ -124,7 +129,8 @@ def _xla(group: Group, h: SGDHyper) -> None:
 
 _RULE = Rule(
     name="sgd", state_type=SGDState, fields=_fields,
-    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla},
+    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla,
+             "native": _native.sgd_kernel},
 )  # fmt: skip
 
 
@@ -146,10 +152,10 @@ def sgd(
         schedule, a function of the 0-d float32 step count (steps already taken)
         returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
       momentum, dampening, weight_decay, nesterov, maximize: as in ``torch.optim.SGD``.
-      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, else
-        foreach), ``"foreach"`` (multi-tensor ops), ``"xla"`` or ``"reference"`` (a
-        per-tensor loop). torch's fused SGD needs a host flag for the first step, so it is
-        not used.
+      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, mpfunc's
+        native pass on the CPU where it applies, else foreach), ``"foreach"``
+        (multi-tensor ops), ``"xla"`` or ``"reference"`` (a per-tensor loop).
+        torch's fused SGD needs a host flag for the first step, so it is not used.
 
     Returns:
       An ``Optimizer`` whose state is an ``SGDState``.

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.pairs.__main__ import PAIRS, main
+import pytest
+
+from bench.pairs.__main__ import BASE, PAIRS, main
 
 
 def test_pairs_smoke_reports_every_pair_and_the_load(tmp_path: Path) -> None:
@@ -19,3 +21,16 @@ def test_pairs_smoke_reports_every_pair_and_the_load(tmp_path: Path) -> None:
     assert set(part["load_avg"]) == {"start", "end"}
     md = (tmp_path / "pairs.md").read_text()
     assert "mpfunc stochastic + uint8" in md and "Load average" in md
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lion"])
+def test_pairs_smoke_sgd_and_lion_rows(tmp_path: Path, optimizer: str) -> None:
+    args = ["--smoke", "--threads", "1", "--optimizer", optimizer, "--out", str(tmp_path)]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "pairs.json").read_text())
+    (part,) = result["parts"]
+    names = [r["name"] for r in part["rows"]]
+    assert names[0] == BASE[optimizer] == part["base"]
+    assert len(names) == (1 if optimizer == "sgd" else 2) + len(PAIRS)
+    assert all(r["ratio"] > 0 for r in part["rows"])
+    assert f"mpfunc stochastic + uint8 ({optimizer})" in (tmp_path / "pairs.md").read_text()

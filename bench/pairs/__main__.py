@@ -17,6 +17,17 @@ that cannot import or run is a row that says why.
     python -m bench.pairs --count                # also 10,000 leaves of 1,000 elements
     python -m bench.pairs --smoke --out /tmp/p   # seconds
     python -m bench.pairs --out bench/results/pairs   # refresh the committed results
+
+``--optimizer sgd`` or ``lion`` times the same pairs for SGD (momentum 0.9) or Lion instead,
+each against torch's own step on an fp32 tree of the same shapes: ``torch.optim.SGD``
+(``foreach=True``, momentum 0.9) for SGD; fused AdamW (the base) and foreach AdamW for Lion,
+torch having no Lion. No peers there (theirs are AdamW steps).
+
+    python -m bench.pairs --optimizer sgd --threads 2,1 --out bench/results/pairs_sgd
+    python -m bench.pairs --optimizer lion --threads 2,1 --out bench/results/pairs_lion
+
+(2 threads first: after a 1-thread part, torch's foreach SGD ran 30x slower at 2 threads in
+the same process on the machine measured.)
 """
 
 from __future__ import annotations
@@ -56,25 +67,45 @@ PAIRS: list[tuple[str, torch.dtype | None, float]] = [
 ]
 
 Step = Callable[[], Any]
+# Bytes per param of each state format's moment: SGD and Lion keep one where AdamW keeps two.
+MOMENT_BYTES = {None: 4.0, BF16: 2.0, U8: 1.0625}
+# The row every ratio divides by, per optimizer.
+BASE = {
+    "adamw": "torch fused fp32 AdamW",
+    "sgd": "torch foreach fp32 SGD (momentum 0.9)",
+    "lion": "torch fused fp32 AdamW",
+}
 
 
 def _shapes(numel: int, tensors: int) -> list[tuple[int]]:
     return [(numel // tensors,)] * tensors
 
 
-def _torch_fused(shapes: list[tuple[int]]) -> Step:
+def _torch_fused(shapes: list[tuple[int]], kind: str = "fused adamw") -> Step:
+    """torch's own step on an fp32 tree: fused or foreach AdamW, or foreach SGD."""
     ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     for p in ps:
         p.grad = torch.randn(p.shape) * 1e-2
-    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    if kind == "foreach sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True)
+    else:
+        fused = kind == "fused adamw"
+        opt = torch.optim.AdamW(ps, lr=1e-3, fused=fused, foreach=not fused)
     return opt.step
 
 
-def _mpfunc(shapes: list[tuple[int]], strategy: str, state_dtype: torch.dtype | None) -> Step:
+def _mpfunc(
+    shapes: list[tuple[int]], strategy: str, state_dtype: torch.dtype | None, optimizer: str
+) -> Step:
     params = {f"p{i}": torch.randn(s).to(BF16) for i, s in enumerate(shapes)}
     grads = {k: (torch.randn(v.shape) * 1e-2).to(BF16) for k, v in params.items()}
     masters = mpfunc.init_master(params, strategy=strategy)
-    opt = mpfunc.adamw(lr=1e-3, state_dtype=state_dtype)
+    if optimizer == "sgd":
+        opt = mpfunc.sgd(lr=1e-3, momentum=0.9, state_dtype=state_dtype)
+    elif optimizer == "lion":
+        opt = mpfunc.lion(lr=1e-4, state_dtype=state_dtype)
+    else:
+        opt = mpfunc.adamw(lr=1e-3, state_dtype=state_dtype)
     state = opt.init(masters)
     kw = {"params": params} if strategy == "fp32" else {}
     return lambda: mpfunc.apply_update_(masters, grads, state, opt, **kw)
@@ -120,13 +151,21 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
 
 
 def _contenders(
-    shapes: list[tuple[int]], peers: bool
+    shapes: list[tuple[int]], peers: bool, optimizer: str = "adamw"
 ) -> tuple[dict[str, tuple[float, Step]], dict[str, str]]:
     """name -> (bytes per param, step), and name -> why a peer could not run."""
     out: dict[str, tuple[float, Step]] = {"torch fused fp32 AdamW": (4 + 8, _torch_fused(shapes))}
+    if optimizer == "sgd":
+        out = {BASE["sgd"]: (4 + 4, _torch_fused(shapes, "foreach sgd"))}
+    elif optimizer == "lion":
+        out["torch foreach fp32 AdamW"] = (4 + 8, _torch_fused(shapes, "foreach adamw"))
+    one = optimizer != "adamw"  # one moment, not two
     for strategy, sd, nbytes in PAIRS:
         name = f"mpfunc {strategy} + {'fp32' if sd is None else str(sd).removeprefix('torch.')}"
-        out[name] = (nbytes, _mpfunc(shapes, strategy, sd))
+        if one:
+            name = f"{name} ({optimizer})"
+            nbytes -= MOMENT_BYTES[sd]
+        out[name] = (nbytes, _mpfunc(shapes, strategy, sd, optimizer))
     failed: dict[str, str] = {}
     if peers:
         for name, nbytes, make in _peers():
@@ -161,9 +200,9 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 
 def _rows(
-    times: dict[str, list[float]], contenders: dict[str, tuple[float, Step]]
+    times: dict[str, list[float]], contenders: dict[str, tuple[float, Step]], base_name: str
 ) -> list[dict[str, Any]]:
-    base = times["torch fused fp32 AdamW"]
+    base = times[base_name]
     rows = []
     for name, ts in times.items():
         ratios = [t / b for t, b in zip(ts, base)]
@@ -186,13 +225,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(threads)
         for label, shapes, peers in configs:
             load0 = load_avg()
-            contenders, failed = _contenders(shapes, peers and not args.no_peers)
+            peers = peers and not args.no_peers and args.optimizer == "adamw"
+            contenders, failed = _contenders(shapes, peers, args.optimizer)
             times = _measure(contenders, args.rounds)
             parts.append({
+                "optimizer": args.optimizer, "base": BASE[args.optimizer],
                 "threads": threads, "config": label, "tensors": len(shapes),
                 "numel": sum(math.prod(s) for s in shapes),
                 "load_avg": {"start": load0, "end": load_avg()},
-                "rows": _rows(times, contenders), "failed": failed,
+                "rows": _rows(times, contenders, BASE[args.optimizer]), "failed": failed,
             })  # fmt: skip
             print(render_part(parts[-1]), flush=True)
     return {"meta": run_meta.finish(threads=None), "parts": parts}
@@ -213,7 +254,8 @@ def render_part(part: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| contender | B/param | ms (median) | ratio to torch fused fp32 | 25-75% |",
+        f"| contender | B/param | ms (median) | ratio to {part.get('base', BASE['adamw'])} "
+        "| 25-75% |",
         "|---|--:|--:|--:|---|",
     ]
     for r in part["rows"]:
@@ -227,8 +269,10 @@ def render_part(part: dict[str, Any]) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
+    optimizer = result["parts"][0].get("optimizer", "adamw") if result["parts"] else "adamw"
+    title = {"adamw": "One AdamW step", "sgd": "One SGD step", "lion": "One Lion step"}
     out = [
-        "# One AdamW step per (strategy, state format), beside the peers",
+        f"# {title[optimizer]} per (strategy, state format), beside the peers",
         "",
         *header(result["meta"]),
         "",
@@ -247,6 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--count", action="store_true", help="also 10,000 leaves of 1,000 elements")
     p.add_argument("--count-leaves", type=int, default=10_000)
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(BASE),
+        default="adamw",
+        help="the step timed (sgd: momentum 0.9; no peers for sgd and lion)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 3 rounds, no peers")
     meta_mod.add_out_argument(p, "pairs")
     args = p.parse_args(argv)

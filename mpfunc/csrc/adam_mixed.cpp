@@ -1683,37 +1683,29 @@ void run_item(Strategy s, Format f, bool amsgrad, RangeFn math, FusedFn fused, c
 
 }  // namespace composed
 
-// The composed step's entry: lists aligned by leaf, as adam_mixed_ takes them, plus the
-// strategy's second tensor (`auxs`: remainder, compensation or 0-d int32 key), the moments'
-// scales for the 8-bit format, and each leaf's salt (its place in the tree) for the draws
-// of the 8-bit second moments. mpfunc's planner checked the tree; these checks keep a
-// wrong call from touching memory it does not own, and run before anything is written.
-void step_composed_(std::int64_t strategy, std::int64_t format,
-                    const std::vector<at::Tensor>& prims, const std::vector<at::Tensor>& auxs,
-                    const std::vector<at::Tensor>& grads,
+// The checks of a composed call (step_composed_, step_rule_): lists aligned by leaf, every
+// tensor of a leaf with the master's shape and strides, the strategy's and state format's
+// dtypes; `fields` state tensors per leaf, and per-leaf salts where `salted`. Run before
+// anything is written.
+void check_composed(const char* fn, composed::Strategy s, composed::Format f, std::size_t fields,
+                    bool salted, const std::vector<at::Tensor>& prims,
+                    const std::vector<at::Tensor>& auxs, const std::vector<at::Tensor>& grads,
                     const std::vector<std::vector<at::Tensor>>& data,
                     const std::vector<std::vector<at::Tensor>>& scales,
                     const std::vector<at::Tensor>& steps,
                     const std::vector<at::Tensor>& params_out,
-                    const std::vector<std::int64_t>& salts, double lr,
-                    const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                    double eps, double weight_decay, bool decoupled, bool amsgrad, bool maximize,
+                    const std::vector<std::int64_t>& salts,
+                    const std::optional<at::Tensor>& lr_tensor,
                     const std::optional<at::Tensor>& grad_scale,
                     const std::optional<at::Tensor>& found_inf) {
   using namespace composed;
-  constexpr const char* fn = "step_composed_";
-  TORCH_CHECK_VALUE(strategy >= kFP32 && strategy <= kNone, fn, ": unknown strategy ", strategy);
-  TORCH_CHECK_VALUE(format >= kF32 && format <= kU8, fn, ": unknown state format ", format);
-  const auto s = static_cast<Strategy>(strategy);
-  const auto f = static_cast<Format>(format);
   const std::size_t n = prims.size();
-  const std::size_t fields = amsgrad ? 3 : 2;
   const bool has_aux = s == kRemainder || s == kKahan || s == kStochastic;
   const bool has_out = !params_out.empty();
   TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && (!has_aux || auxs.size() == n) &&
                         data.size() == fields && (f != kU8 || scales.size() == fields) &&
                         (!has_out || (s == kFP32 && params_out.size() == n)) &&
-                        (f != kU8 || salts.size() == n),
+                        (!salted || f != kU8 || salts.size() == n),
                     fn, ": expected lists of one length, one per leaf");
   for (std::size_t k = 0; k < fields; ++k) {
     TORCH_CHECK_VALUE(data[k].size() == n && (f != kU8 || scales[k].size() == n), fn,
@@ -1785,9 +1777,16 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
                           steps[i].device().is_cpu() && steps[i].numel() == 1,
                       fn, ": at [", i, "]: expected a one-element float32 step count");
   }
+}
 
-  if (found_inf && read_scalar(*found_inf) != 0.0f) return;
-
+// Version counters move as under torch's in-place ops (see adam_mixed_).
+void bump_composed(composed::Format f, std::size_t fields, const std::vector<at::Tensor>& prims,
+                   const std::vector<at::Tensor>& auxs, const std::vector<at::Tensor>& steps,
+                   const std::vector<at::Tensor>& params_out,
+                   const std::vector<std::vector<at::Tensor>>& data,
+                   const std::vector<std::vector<at::Tensor>>& scales) {
+  const std::size_t n = prims.size();
+  const bool has_aux = !auxs.empty(), has_out = !params_out.empty();
   for (std::size_t i = 0; i < n; ++i) {
     prims[i].unsafeGetTensorImpl()->bump_version();
     if (has_aux) auxs[i].unsafeGetTensorImpl()->bump_version();
@@ -1795,9 +1794,56 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
     if (has_out) params_out[i].unsafeGetTensorImpl()->bump_version();
     for (std::size_t k = 0; k < fields; ++k) {
       data[k][i].unsafeGetTensorImpl()->bump_version();
-      if (f == kU8) scales[k][i].unsafeGetTensorImpl()->bump_version();
+      if (f == composed::kU8) scales[k][i].unsafeGetTensorImpl()->bump_version();
     }
   }
+}
+
+// _rng.advance: the next key of each "stochastic" leaf, so the next step draws fresh bits.
+void advance_keys(const std::vector<at::Tensor>& auxs) {
+  for (const at::Tensor& a : auxs) {
+    auto* k = a.data_ptr<std::int32_t>();
+    *k = std::int32_t(composed::fmix(u32(*k) + composed::kGolden));
+  }
+}
+
+// The composed step's entry: lists aligned by leaf, as adam_mixed_ takes them, plus the
+// strategy's second tensor (`auxs`: remainder, compensation or 0-d int32 key), the moments'
+// scales for the 8-bit format, and each leaf's salt (its place in the tree) for the draws
+// of the 8-bit second moments. mpfunc's planner checked the tree; these checks keep a
+// wrong call from touching memory it does not own, and run before anything is written.
+void step_composed_(std::int64_t strategy, std::int64_t format,
+                    const std::vector<at::Tensor>& prims, const std::vector<at::Tensor>& auxs,
+                    const std::vector<at::Tensor>& grads,
+                    const std::vector<std::vector<at::Tensor>>& data,
+                    const std::vector<std::vector<at::Tensor>>& scales,
+                    const std::vector<at::Tensor>& steps,
+                    const std::vector<at::Tensor>& params_out,
+                    const std::vector<std::int64_t>& salts, double lr,
+                    const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                    double eps, double weight_decay, bool decoupled, bool amsgrad, bool maximize,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  using namespace composed;
+  constexpr const char* fn = "step_composed_";
+  TORCH_CHECK_VALUE(strategy >= kFP32 && strategy <= kNone, fn, ": unknown strategy ", strategy);
+  TORCH_CHECK_VALUE(format >= kF32 && format <= kU8, fn, ": unknown state format ", format);
+  const auto s = static_cast<Strategy>(strategy);
+  const auto f = static_cast<Format>(format);
+  const std::size_t n = prims.size();
+  const std::size_t fields = amsgrad ? 3 : 2;
+  const bool has_aux = s == kRemainder || s == kKahan || s == kStochastic;
+  const bool has_out = !params_out.empty();
+  check_composed(fn, s, f, fields, /*salted=*/true, prims, auxs, grads, data, scales, steps,
+                 params_out, salts, lr_tensor, grad_scale, found_inf);
+  const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
+  std::optional<c10::ScalarType> out_dtype;
+  if (has_out && n) out_dtype = params_out[0].scalar_type();
+
+  if (found_inf && read_scalar(*found_inf) != 0.0f) return;
+
+  bump_composed(f, fields, prims, has_aux ? auxs : std::vector<at::Tensor>{}, steps, params_out, data,
+                scales);
 
   const double lr_value = lr_tensor ? lr_tensor->item<double>() : lr;
   Hyper hyper{};
@@ -1861,13 +1907,418 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
     const CLeaf& L = leaves[i];
     run_item(s, f, amsgrad, math, L.half ? fused_h : fused_bf, L, b, e, hyper);
   });
-  if (s == kStochastic) {
-    // _rng.advance: the next key, so the next step draws fresh bits.
-    for (std::size_t i = 0; i < n; ++i) {
-      auto* k = auxs[i].data_ptr<std::int32_t>();
-      *k = std::int32_t(fmix(u32(*k) + kGolden));
+  if (s == kStochastic) advance_keys(auxs);
+}
+
+// ---- SGD and Lion in the composed pass --------------------------------------------------------
+//
+// The same pieces as Adam's composed step (a strategy's load/store, a state format's
+// load/store, the grads widened and unscaled in the loads), around another optimizer's
+// math: `rule_math`, SGD's or Lion's element step. One state field at most (SGD's momentum
+// buffer, Lion's exp_avg; SGD without momentum has none), a signed moment in the 8-bit format.
+//
+// Bits: the specification is the torch path, which runs `_sgd._foreach`/`_lion._foreach`
+// (torch's foreach ops, one ATen kernel per op and tensor) on fp32 temporaries. Each op
+// rounds once, and the ones that multiply and add are fused multiply-adds in every
+// element of torch 2.9's AVX512 kernels, vector loop and tail alike (probed element by
+// element at lengths 40 to 100,000, 1 and 2 threads): add(alpha=) is fma(other, alpha,
+// self), addcmul(self, g, c) is fma(g, c, self), lerp(m, g, w) is fma(w, g - m, m) for
+// |w| < 0.5, else fma(w - 1, g - m, g). The one exception: lerp's scalar form for
+// |w| >= 0.5 is fma(-(g - m), 1 - w, g), which differs from the vector form only in the sign
+// of a zero when w == 1 (beta == 0). ATen's lerp takes the scalar form on the last
+// len % 16 elements of each part its TensorIterator splits a tensor into (one part below
+// 32,768 elements or with one thread; else min(threads, ceil(n / 32768)) parts of
+// ceil(n / parts)); `tail_of` says where those are, and the pass mirrors them. (16 with
+// torch's AVX512, AVX2 and DEFAULT kernels alike, 1 to 5 threads. mpfunc probes each
+// process's torch against this pass before using it: _native.serves.)
+
+namespace composed {
+
+enum Rule : std::int64_t { kSGD = 0, kLion = 1 };
+
+// Per-call constants, each rounded to float as torch's ops round their Scalars.
+struct RHyper {
+  bool lion;
+  bool has_scale;
+  float scale;
+  u32 negate;         // maximize
+  bool lr_tensor;     // p - g * lr (torch.mul by the lr tensor, then sub)
+  float lr;           // float(lr)
+  float neg_lr;       // float(-lr): add(g, alpha=-lr)
+  // SGD
+  bool l2;            // weight_decay != 0: g = fma(p, wd, g)
+  float wd;
+  bool momentum_on, damp_on, nesterov;
+  float momentum;
+  // Lion
+  bool decay_on;      // weight_decay != 0: p = p * decay
+  float decay;        // float(1 - lr * wd), in double for a float lr, in float for a tensor lr
+  bool small1, small2;       // |w| < 0.5 for w = 1 - beta1, 1 - beta2
+  float w1, coeff1, one_m_w1, w2, coeff2, one_m_w2;
+  bool positional;    // a lerp whose scalar form differs (w == 1): mirror torch's split
+  std::int64_t threads;
+};
+
+struct RVec {
+  fVec scale, lr, neg_lr, wd, momentum, damp, decay, w1, coeff1, one_m_w1, w2, coeff2, one_m_w2;
+  RVec(const RHyper& h, float damp_coef)
+      : scale(h.scale), lr(h.lr), neg_lr(h.neg_lr), wd(h.wd), momentum(h.momentum),
+        damp(damp_coef), decay(h.decay), w1(h.w1), coeff1(h.coeff1), one_m_w1(h.one_m_w1),
+        w2(h.w2), coeff2(h.coeff2), one_m_w2(h.one_m_w2) {}
+};
+
+// torch.lerp(m, g, w) in the vector form of ATen's kernel, or in its scalar form (kTail).
+template <bool kTail>
+MPF_INLINE fVec lerp(const fVec& m, const fVec& g, const fVec& d, bool small, const fVec& w,
+                     const fVec& coeff, const fVec& one_m_w) {
+  if (small) return at::vec::fmadd(w, d, m);
+  return kTail ? at::vec::fmadd(d.neg(), one_m_w, g) : at::vec::fmadd(coeff, d, g);
+}
+
+// One element step of `_sgd._foreach` or `_lion._foreach`, op for op; returns the master.
+template <bool kTail>
+MPF_INLINE fVec rule_math(fVec g, fVec p, fVec& m, const RHyper& h, const RVec& k) {
+  if (h.has_scale) g = g / k.scale;
+  if (h.negate) g = g.neg();
+  if (!h.lion) {
+    if (h.l2) g = at::vec::fmadd(p, k.wd, g);
+    if (h.momentum_on) {
+      m = m * k.momentum;
+      // addcmul(m, g, coef) with coef 1 on a leaf's first step: fma(g, 1, m) == m + g.
+      m = h.damp_on ? at::vec::fmadd(g, k.damp, m) : m + g;
+      g = h.nesterov ? at::vec::fmadd(m, k.momentum, g) : m;
     }
+    return h.lr_tensor ? p - g * k.lr : at::vec::fmadd(g, k.neg_lr, p);
   }
+  if (h.decay_on) p = p * k.decay;
+  const fVec d = g - m;
+  const fVec c = lerp<kTail>(m, g, d, h.small1, k.w1, k.coeff1, k.one_m_w1);
+  // ATen's vector sign: (0 < c) - (c < 0); zeros and NaN give +0.
+  const fVec zero(0.0f), one(1.0f);
+  const fVec dir = fVec::blendv(zero, one, zero < c) - fVec::blendv(zero, one, c < zero);
+  p = h.lr_tensor ? p - dir * k.lr : at::vec::fmadd(dir, k.neg_lr, p);
+  m = lerp<kTail>(m, g, d, h.small2, k.w2, k.coeff2, k.one_m_w2);
+  return p;
+}
+
+// The part of torch's split of an n-element op that holds element i: [part begin, part end)
+// and where its scalar tail starts (see the section's note).
+struct TailSpan {
+  std::int64_t tail_begin, end;
+};
+MPF_INLINE TailSpan tail_of(std::int64_t n, std::int64_t threads, std::int64_t i) {
+  constexpr std::int64_t kGrain = 32768;  // at::internal::GRAIN_SIZE
+  std::int64_t parts = 1;
+  if (n >= kGrain && threads > 1) parts = std::min(threads, (n + kGrain - 1) / kGrain);
+  const std::int64_t c = (n + parts - 1) / parts;
+  constexpr std::int64_t kLerpTail = 16;
+  const std::int64_t b = i / c * c, e = std::min(n, b + c);
+  return {e - (e - b) % kLerpTail, e};
+}
+
+// A state format piece with no state (SGD without momentum).
+struct FNone {
+  static MPF_INLINE void load(const CLeaf&, int, std::int64_t, fVec&, fVec&) {}
+  static MPF_INLINE void store(const CLeaf&, int, std::int64_t, const fVec&, const fVec&) {}
+};
+
+struct RLeaf {
+  CLeaf c;
+  float damp;  // SGD's addcmul coefficient at this leaf's step
+};
+
+// Whole blocks of [begin, end) in the vector form, registers only; returns where it stopped.
+template <class S, class FS, class G>
+std::int64_t rule_fused(const RLeaf& R, std::int64_t begin, std::int64_t end, const RHyper& h) {
+  const CLeaf& L = R.c;
+  const RVec k(h, R.damp);
+  const auto* Gr = static_cast<const typename G::T*>(L.grad);
+  std::int64_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    fVec g0, g1, p0, p1, m0, m1;
+    load2<G, true>(Gr + i, kBlock, g0, g1);
+    S::load(L, i, p0, p1);
+    FS::load(L, 0, i, m0, m1);
+    p0 = rule_math<false>(g0, p0, m0, h, k);
+    p1 = rule_math<false>(g1, p1, m1, h, k);
+    FS::store(L, 0, i, m0, m1);
+    S::store(L, i, p0, p1);
+  }
+  return i;
+}
+
+using RuleFusedFn = std::int64_t (*)(const RLeaf&, std::int64_t, std::int64_t, const RHyper&);
+
+template <class S, class FS>
+RuleFusedFn rule_fused_grad(c10::ScalarType grad) {
+  switch (grad) {
+    case c10::ScalarType::BFloat16:
+      return &rule_fused<S, FS, BF16>;
+    case c10::ScalarType::Half:
+      return &rule_fused<S, FS, F16>;
+    default:
+      return &rule_fused<S, FS, F32>;
+  }
+}
+
+template <class S>
+RuleFusedFn rule_fused_format(Format f, bool state, c10::ScalarType grad) {
+  if (!state) return rule_fused_grad<S, FNone>(grad);
+  switch (f) {
+    case kF32:
+      return rule_fused_grad<S, FMoment<F32>>(grad);
+    case kBF16:
+      return rule_fused_grad<S, FMoment<BF16>>(grad);
+    default:
+      return nullptr;  // uint8: the tiles
+  }
+}
+
+// pick_fused's choice of strategy piece, for the rules.
+RuleFusedFn rule_pick_fused(Strategy s, Format f, bool state, c10::ScalarType grad, bool half,
+                            std::optional<c10::ScalarType> out) {
+  switch (s) {
+    case kFP32:
+      if (!out) return rule_fused_format<SFp32<NoOut>>(f, state, grad);
+      switch (*out) {
+        case c10::ScalarType::BFloat16:
+          return rule_fused_format<SFp32<BF16>>(f, state, grad);
+        case c10::ScalarType::Half:
+          return rule_fused_format<SFp32<F16>>(f, state, grad);
+        default:
+          return rule_fused_format<SFp32<F32>>(f, state, grad);
+      }
+    case kNone:
+      return half ? rule_fused_format<SNearest<F16>>(f, state, grad)
+                  : rule_fused_format<SNearest<BF16>>(f, state, grad);
+    case kKahan:
+      return half ? rule_fused_format<SKahan<F16>>(f, state, grad)
+                  : rule_fused_format<SKahan<BF16>>(f, state, grad);
+#if defined(CPU_CAPABILITY_AVX512)
+    case kRemainder:
+      return rule_fused_format<SRemainder>(f, state, grad);
+    case kStochastic:
+      return rule_fused_format<SStochastic>(f, state, grad);
+#endif
+    default:
+      return nullptr;
+  }
+}
+
+// Elements [b, e) on fp32 rows P and M (indexed by the element's place in the leaf), in one
+// form; grads read as G, the "fp32" strategy's params refreshed from and written to O.
+template <class G, class O, bool kTail>
+void rule_rows(float* P, float* M, const void* grad, void* out, std::int64_t b, std::int64_t e,
+               const RHyper& h, const RVec& k) {
+  const auto* Gr = static_cast<const typename G::T*>(grad);
+  auto* Ro = static_cast<typename O::T*>(out);
+  auto block = [&](auto full, std::int64_t i, std::int64_t count) {
+    constexpr bool kFull = decltype(full)::value;
+    fVec g0, g1, p0, p1, m0(0.0f), m1(0.0f);
+    load2<G, kFull>(Gr + i, count, g0, g1);
+    load2<F32, kFull>(P + i, count, p0, p1);
+    if (M != nullptr) load2<F32, kFull>(M + i, count, m0, m1);
+    if constexpr (!std::is_void_v<typename O::T>) refresh<O, kFull>(Ro + i, count, p0, p1);
+    p0 = rule_math<kTail>(g0, p0, m0, h, k);
+    p1 = rule_math<kTail>(g1, p1, m1, h, k);
+    store2<F32, kFull>(P + i, count, p0, p1);
+    if (M != nullptr) store2<F32, kFull>(M + i, count, m0, m1);
+    if constexpr (!std::is_void_v<typename O::T>) store2<O, kFull>(Ro + i, count, p0, p1);
+  };
+  std::int64_t i = b;
+  for (; i + kBlock <= e; i += kBlock) block(std::true_type{}, i, kBlock);
+  if (i < e) block(std::false_type{}, i, e - i);
+}
+
+using RowsFn = void (*)(float*, float*, const void*, void*, std::int64_t, std::int64_t,
+                        const RHyper&, const RVec&);
+
+template <class G, class O>
+std::pair<RowsFn, RowsFn> rule_rows_out() {
+  return {&rule_rows<G, O, false>, &rule_rows<G, O, true>};
+}
+
+template <class G>
+std::pair<RowsFn, RowsFn> rule_rows_grad(std::optional<c10::ScalarType> out) {
+  if (!out) return rule_rows_out<G, NoOut>();
+  switch (*out) {
+    case c10::ScalarType::BFloat16:
+      return rule_rows_out<G, BF16>();
+    case c10::ScalarType::Half:
+      return rule_rows_out<G, F16>();
+    default:
+      return rule_rows_out<G, F32>();
+  }
+}
+
+// (vector form, scalar form) row functions of a grad and params-out dtype.
+std::pair<RowsFn, RowsFn> rule_pick_rows(c10::ScalarType grad, std::optional<c10::ScalarType> out) {
+  switch (grad) {
+    case c10::ScalarType::BFloat16:
+      return rule_rows_grad<BF16>(out);
+    case c10::ScalarType::Half:
+      return rule_rows_grad<F16>(out);
+    default:
+      return rule_rows_grad<F32>(out);
+  }
+}
+
+// Elements [begin, end) of one leaf: fused blocks where it can, tiles for the rest (the
+// 8-bit format, partial blocks, and torch's scalar tails where they differ).
+void rule_item(Strategy s, Format f, bool state, std::pair<RowsFn, RowsFn> rows,
+               RuleFusedFn fused, const RLeaf& R, std::int64_t begin, std::int64_t end,
+               const RHyper& h) {
+  const CLeaf& L = R.c;
+  const RVec k(h, R.damp);
+  alignas(64) float sp[kTile], sm[kTile];
+  // Tiles from `b`: block-aligned for the 8-bit format (items start at multiples of 64).
+  auto tiles = [&](std::int64_t b, std::int64_t e) {
+    const std::int64_t tile = f == kU8 ? kTile : kSmallTile;
+    for (std::int64_t tb = b; tb < e; tb += tile) {
+      const std::int64_t te = std::min(e, tb + tile);
+      float* P = load_master(s, L, tb, te, sp) - tb;
+      float* M = state ? load_state(f, true, L, 0, tb, te, sm) - tb : nullptr;
+      for (std::int64_t i = tb; i < te;) {
+        // (without a positional lerp every element takes the vector form)
+        const TailSpan t = h.positional ? tail_of(L.numel, h.threads, i) : TailSpan{te, te};
+        const bool tail = i >= t.tail_begin;
+        const std::int64_t j = std::min(te, tail ? t.end : t.tail_begin);
+        (tail ? rows.second : rows.first)(P, M, L.grad, L.out, i, j, h, k);
+        i = j;
+      }
+      if (state) store_state(f, true, L, 0, tb, te, M + tb);
+      store_master(s, L, tb, te, P + tb);
+    }
+  };
+  if (fused == nullptr) {
+    tiles(begin, end);
+    return;
+  }
+  for (std::int64_t i = begin; i < end;) {
+    // Fused blocks up to the next scalar tail (or the item's end), then tiles to its end.
+    const std::int64_t stop =
+        h.positional ? std::min(end, tail_of(L.numel, h.threads, i).tail_begin) : end;
+    i = fused(R, i, stop, h);
+    const std::int64_t next = h.positional ? std::min(end, tail_of(L.numel, h.threads, i).end) : end;
+    const std::int64_t upto = i < stop ? stop : next;
+    tiles(i, upto);
+    i = upto;
+  }
+}
+
+}  // namespace composed
+
+// SGD (rule 0: a = momentum, b = dampening) or Lion (rule 1: a = beta1, b = beta2) over any
+// master strategy with no state, or one state field in fp32, bf16 or 8-bit: `_sgd._foreach` or
+// `_lion._foreach` on the strategy's fp32 values, in one pass. Lists as step_composed_ takes
+// them (`data`: zero or one state field).
+void step_rule_(std::int64_t rule, std::int64_t strategy, std::int64_t format,
+                const std::vector<at::Tensor>& prims, const std::vector<at::Tensor>& auxs,
+                const std::vector<at::Tensor>& grads,
+                const std::vector<std::vector<at::Tensor>>& data,
+                const std::vector<std::vector<at::Tensor>>& scales,
+                const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& params_out,
+                double lr, const std::optional<at::Tensor>& lr_tensor, double a, double b,
+                double weight_decay, bool nesterov, bool maximize,
+                const std::optional<at::Tensor>& grad_scale,
+                const std::optional<at::Tensor>& found_inf) {
+  using namespace composed;
+  constexpr const char* fn = "step_rule_";
+  TORCH_CHECK_VALUE(rule == kSGD || rule == kLion, fn, ": unknown rule ", rule);
+  TORCH_CHECK_VALUE(strategy >= kFP32 && strategy <= kNone, fn, ": unknown strategy ", strategy);
+  TORCH_CHECK_VALUE(format >= kF32 && format <= kU8, fn, ": unknown state format ", format);
+  const auto s = static_cast<Strategy>(strategy);
+  const auto f = static_cast<Format>(format);
+  const std::size_t n = prims.size();
+  const std::size_t fields = data.size();
+  TORCH_CHECK_VALUE(fields <= 1 && (rule == kSGD || fields == 1), fn,
+                    ": expected at most one state field (Lion: one), got ", fields);
+  const bool state = fields == 1;
+  const bool has_aux = s == kRemainder || s == kKahan || s == kStochastic;
+  const bool has_out = !params_out.empty();
+  check_composed(fn, s, f, fields, /*salted=*/false, prims, auxs, grads, data, scales, steps,
+                 params_out, {}, lr_tensor, grad_scale, found_inf);
+  if (found_inf && read_scalar(*found_inf) != 0.0f) return;
+  bump_composed(f, fields, prims, has_aux ? auxs : std::vector<at::Tensor>{}, steps, params_out,
+                data, scales);
+
+  RHyper h{};
+  h.lion = rule == kLion;
+  h.has_scale = grad_scale.has_value();
+  h.scale = grad_scale ? read_scalar(*grad_scale) : 1.0f;
+  h.negate = maximize ? 0x80000000u : 0u;
+  h.lr_tensor = lr_tensor.has_value();
+  const double lr_value = lr_tensor ? lr_tensor->item<double>() : lr;
+  h.lr = float(lr_value);
+  h.neg_lr = float(-lr_value);
+  if (!h.lion) {
+    h.l2 = weight_decay != 0;
+    h.wd = float(weight_decay);
+    h.momentum_on = a != 0;
+    h.momentum = float(a);
+    h.damp_on = b != 0;
+    h.nesterov = nesterov;
+  } else {
+    h.decay_on = weight_decay != 0;
+    // `1 - lr * wd`: Python's doubles for a float lr; torch's float32 ops on the 0-d lr.
+    h.decay = lr_tensor ? 1.0f - float(h.lr * float(weight_decay))
+                        : float(1 - lr_value * weight_decay);
+    const float w1 = float(1 - a), w2 = float(1 - b);
+    h.small1 = std::fabs(w1) < 0.5f;
+    h.small2 = std::fabs(w2) < 0.5f;
+    h.w1 = w1;
+    h.coeff1 = w1 - 1.0f;
+    h.one_m_w1 = 1.0f - w1;
+    h.w2 = w2;
+    h.coeff2 = w2 - 1.0f;
+    h.one_m_w2 = 1.0f - w2;
+    h.positional = (!h.small1 && w1 == 1.0f) || (!h.small2 && w2 == 1.0f);
+  }
+  h.threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+
+  std::vector<RLeaf> leaves(n);
+  std::vector<std::int64_t> numels(n);
+  std::int64_t total = 0;
+  const float neg_damp = float(-b);
+  for (std::size_t i = 0; i < n; ++i) {
+    float* step_ptr = steps[i].data_ptr<float>();
+    const float before = *step_ptr;
+    *step_ptr = before + 1.0f;
+    RLeaf& R = leaves[i];
+    // _sgd: coef = clamp_max(step, 1) * -dampening + 1, in float32 ops, before the increment.
+    const float c = before != before ? before : std::min(before, 1.0f);
+    R.damp = float(c * neg_damp) + 1.0f;
+    CLeaf& L = R.c;
+    L.prim = prims[i].data_ptr();
+    L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
+    L.key = s == kStochastic ? u32(*auxs[i].data_ptr<std::int32_t>()) : 0u;
+    L.half = prims[i].scalar_type() == c10::ScalarType::Half;
+    L.grad = grads[i].data_ptr();
+    L.out = has_out ? params_out[i].data_ptr() : nullptr;
+    for (std::size_t k = 0; k < 3; ++k) {
+      L.data[k] = k < fields ? data[k][i].data_ptr() : nullptr;
+      L.scale[k] = f == kU8 && k < fields ? static_cast<u16*>(scales[k][i].data_ptr()) : nullptr;
+    }
+    L.vkey = 0;
+    L.numel = prims[i].numel();
+    L.coef = LeafCoef{};
+    total += numels[i] = L.numel;
+  }
+  const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
+  std::optional<c10::ScalarType> out;
+  if (has_out && n) out = params_out[0].scalar_type();
+  const auto rows = rule_pick_rows(grad_dtype, out);
+  const char* tiles_env = std::getenv("MPFUNC_NATIVE_TILES");
+  const bool tiles_only = tiles_env != nullptr && tiles_env[0] == '1';
+  const RuleFusedFn fused_bf =
+      tiles_only ? nullptr : rule_pick_fused(s, f, state, grad_dtype, false, out);
+  const RuleFusedFn fused_h =
+      tiles_only ? nullptr : rule_pick_fused(s, f, state, grad_dtype, true, out);
+  for_each_item(numels, total, [&](std::size_t i, std::int64_t b, std::int64_t e) {
+    const RLeaf& R = leaves[i];
+    rule_item(s, f, state, rows, R.c.half ? fused_h : fused_bf, R, b, e, h);
+  });
+  if (s == kStochastic) advance_keys(auxs);
 }
 
 // ---- conversions on their own ---------------------------------------------------------
@@ -2066,6 +2517,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("step_composed_", &mpfunc_native::step_composed_,
         "One-pass Adam/AdamW over any master strategy with fp32, bf16 or 8-bit moments",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("step_rule_", &mpfunc_native::step_rule_,
+        "One-pass SGD or Lion over any master strategy with no, fp32, bf16 or 8-bit state",
         py::call_guard<py::gil_scoped_release>());
   m.def("convert_", &mpfunc_native::convert_, "dst <- src with the kernel's own rounding",
         py::call_guard<py::gil_scoped_release>());
