@@ -12,6 +12,7 @@ from bench.convergence.config import (
     BETAS,
     EPS,
     IDENTICAL_TO,
+    PRESETS,
     REFERENCE,
     TARGETS,
     WARMUP_FRACTION,
@@ -128,6 +129,15 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _reduced(cfg: dict[str, Any]) -> list[str]:
+    """A line saying where the run differs from the default preset (none for smoke runs)."""
+    if cfg == PRESETS["smoke"]:
+        return []
+    want = PRESETS["default"]
+    diff = [f"{k} {cfg[k]} (default: {v})" for k, v in want.items() if cfg.get(k) != v]
+    return [f"**Reduced run**: {', '.join(diff)}."] if diff else []
+
+
 def _pct(x: float | None) -> str:
     return fmt(None if x is None else 100 * x, "{:+.2f}%")
 
@@ -160,6 +170,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{corpus['val_chars']:,} held-out characters in {corpus['val_files']} other files "
         f"(sha256 {corpus['sha256'][:12]}). Final validation loss: "
         f"{cfg['final_eval_batches'] * cfg['batch']} fixed held-out windows per seed.",
+        *_reduced(cfg),
         "",
         "| row | master strategy | state | bytes/param | peak B/param | final val loss | gap to "
         "fp32: mean [min, max] | stale | lost | update/weight RMS | median step ms |",

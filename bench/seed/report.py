@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.report import fmt, header, pyplot
-from bench.seed.config import FUSED, REFERENCES, recipe
+from bench.seed.config import FUSED, PRESETS, REFERENCES, SCHEDULES, recipe
 
 MIB = 2**20
 COLORS = {
@@ -168,6 +168,22 @@ def _device_table(name: str, dev: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _reduced(result: dict[str, Any]) -> list[str]:
+    """A line saying where the run's size or schedule differs from its preset's."""
+    preset = PRESETS.get(result["preset"])
+    if preset is None:
+        return []
+    want = {
+        **preset.__dict__,
+        **dict(zip(("warmup", "blocks", "steps"), SCHEDULES[result["preset"]])),
+    }
+    got = {**result["config"], **result["schedule"]}
+    diff = [f"{k} {got[k]} (preset: {want[k]})" for k in want if k in got and got[k] != want[k]]
+    if not diff:
+        return []
+    return [f"**Reduced run** (differs from preset `{result['preset']}`): {', '.join(diff)}.  "]
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -186,6 +202,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"Protocol: {sched['warmup']} warm-up steps excluded, then {sched['blocks']} blocks "
         f"of {sched['steps']} steps per mode, modes interleaved, each in its own process.  ",
         *header(result["meta"]),
+        *_reduced(result),
         "",
     ]
     for name, dev in result["devices"].items():
