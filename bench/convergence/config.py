@@ -10,15 +10,21 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from bench.common.peers import PEERS
+
 
 class Row(NamedTuple):
     """One way to train, a row of the table.
 
     ``kind``: ``"torch"`` (``torch.optim.AdamW`` on a model of ``model_dtype``),
     ``"mixed"`` (bf16 model, fp32 masters, the three calls ``grads_to_fp32_``,
-    ``apply_update_``, ``masters_to_model_``) or ``"mpfunc"`` (bf16 model,
+    ``apply_update_``, ``masters_to_model_``), ``"mpfunc"`` (bf16 model,
     ``init_master(strategy=)``, ``adamw(state_dtype=)``, one ``apply_update_(params=)``
-    on the bf16 grads). Dtypes are ``torch`` attribute names.
+    on the bf16 grads), ``"peer"`` (bf16 model, the ``bench.common.peers`` optimizer named
+    by ``optimizer``) or ``"backward"`` (bf16 model, ``mpfunc.MasterOptimizer(...,
+    step_in_backward=True)``, run where mpfunc has that option). Dtypes are ``torch``
+    attribute names. ``optimizer``: ``"fused"`` for ``torch.optim.AdamW(fused=True)``, or
+    the peer's name.
     """
 
     name: str
@@ -27,6 +33,7 @@ class Row(NamedTuple):
     strategy: str | None = None
     state_dtype: str | None = None
     twin: bool = False  # also step fp32 masters on the same grads, and compare every step
+    optimizer: str | None = None
 
 
 STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
@@ -37,6 +44,7 @@ ROWS: dict[str, Row] = {
     r.name: r
     for r in (
         Row("fp32", "torch", "float32"),
+        Row("fp32-fused", "torch", "float32", optimizer="fused"),
         Row("bf16", "torch", "bfloat16"),
         Row("mixed", "mixed", "bfloat16", "fp32", "float32"),
         *(
@@ -44,6 +52,8 @@ ROWS: dict[str, Row] = {
             for s in STRATEGIES
             for dtype, short in STATE_DTYPES.items()
         ),
+        Row("step-in-backward", "backward", "bfloat16", "fp32", "float32"),
+        *(Row(f"peer/{name}", "peer", "bfloat16", optimizer=name) for name in PEERS),
     )
 }
 # "mixed" is the three-call path, bit-identical to "fp32/f32" by the API's contract:

@@ -12,6 +12,7 @@ from bench.convergence.config import (
     BETAS,
     EPS,
     IDENTICAL_TO,
+    PRESETS,
     REFERENCE,
     TARGETS,
     WARMUP_FRACTION,
@@ -49,7 +50,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for row in result["rows"]:
         runs = by.get(row["name"], {})
-        ok = {s: r for s, r in runs.items() if "error" not in r}
+        ok = {s: r for s, r in runs.items() if "error" not in r and "unsupported" not in r}
         entry: dict[str, Any] = {
             "row": row["name"],
             "kind": row["kind"],
@@ -57,6 +58,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
             "state_dtype": row["state_dtype"],
             "seeds": sorted(ok),
             "errors": sorted({r["error"] for r in runs.values() if "error" in r}),
+            "unsupported": sorted({r["unsupported"] for r in runs.values() if "unsupported" in r}),
         }
         if ok:
             vals = [r["final_val_loss"] for r in ok.values()]
@@ -74,6 +76,10 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
                 gap_max=max(gaps) if gaps else None,
                 gaps=gaps,
                 bytes_per_param=max(r["bytes_per_param"] for r in ok.values()),
+                peak_per_param=max(
+                    (r["memory_per_param"]["peak"] for r in ok.values() if "memory_per_param" in r),
+                    default=None,
+                ),
                 step_ms=statistics.median(r["step_ms_median"] for r in ok.values()),
                 **{
                     k: statistics.fmean(r["diag"][k] for r in ok.values())
@@ -103,7 +109,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         e = summary.get(row)
         t: dict[str, Any] = {"row": row, "max_bytes": max_bytes, "max_gap": max_gap}
         if e is None or not e["seeds"]:
-            t.update(held=None, why="not run" if e is None else "; ".join(e["errors"]))
+            why = "not run" if e is None else "; ".join(e["errors"] + e.get("unsupported", []))
+            t.update(held=None, why=why)
             out.append(t)
             continue
         t["bytes_per_param"] = e["bytes_per_param"]
@@ -122,6 +129,15 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _reduced(cfg: dict[str, Any]) -> list[str]:
+    """A line saying where the run differs from the default preset (none for smoke runs)."""
+    if cfg == PRESETS["smoke"]:
+        return []
+    want = PRESETS["default"]
+    diff = [f"{k} {cfg[k]} (default: {v})" for k, v in want.items() if cfg.get(k) != v]
+    return [f"**Reduced run**: {', '.join(diff)}."] if diff else []
+
+
 def _pct(x: float | None) -> str:
     return fmt(None if x is None else 100 * x, "{:+.2f}%")
 
@@ -132,7 +148,7 @@ def _share(x: float | None) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     meta, cfg, corpus = result["meta"], result["config"], result["corpus"]
-    ok_runs = [r for r in result["runs"] if "error" not in r]
+    ok_runs = [r for r in result["runs"] if "error" not in r and "unsupported" not in r]
     n_params = ok_runs[0]["params"] if ok_runs else 0
     pre = ", ".join(f"{p['val_loss']:.4f} (seed {p['seed']})" for p in result["pretrained"])
     out = [
@@ -154,19 +170,30 @@ def markdown(result: dict[str, Any]) -> str:
         f"{corpus['val_chars']:,} held-out characters in {corpus['val_files']} other files "
         f"(sha256 {corpus['sha256'][:12]}). Final validation loss: "
         f"{cfg['final_eval_batches'] * cfg['batch']} fixed held-out windows per seed.",
+        *_reduced(cfg),
         "",
-        "| row | master strategy | state | bytes/param | final val loss | gap to fp32: mean "
-        "[min, max] | stale | lost | update/weight RMS | median step ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | master strategy | state | bytes/param | peak B/param | final val loss | gap to "
+        "fp32: mean [min, max] | stale | lost | update/weight RMS | median step ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    absent = []
     for e in result["summary"]:
         strategy = e["strategy"] or ("torch.optim" if e["kind"] == "torch" else "-")
         if e["kind"] == "mixed":
             strategy += " (three calls)"
-        state = e["state_dtype"] or ("float32" if e["row"] == "fp32" else "bfloat16")
+        if e["kind"] == "backward":
+            strategy += " (MasterOptimizer, step_in_backward)"
+        if e["kind"] == "peer":
+            strategy = "peer"
+        state = e["state_dtype"] or ("float32" if e["row"].startswith("fp32") else "bfloat16")
+        if e["kind"] == "peer":
+            state = "its own"
+        if not e["seeds"] and e.get("unsupported") and not e["errors"]:
+            absent.append(f"`{e['row']}`: {'; '.join(e['unsupported'])}")
+            continue
         if not e["seeds"]:
             out.append(f"| {e['row']} | {strategy} | {state} | fails: {'; '.join(e['errors'])}"
-                       " | | | | | | |")  # fmt: skip
+                       " | | | | | | | |")  # fmt: skip
             continue
         gap = (
             "-"
@@ -178,9 +205,12 @@ def markdown(result: dict[str, Any]) -> str:
         spread = f" ± {(e['val_max'] - e['val_min']) / 2:.4f}" if len(e["seeds"]) > 1 else ""
         out.append(
             f"| {e['row']} | {strategy} | {state} | {e['bytes_per_param']:.2f} | "
-            f"{e['val_mean']:.4f}{spread} | {gap} | {_share(e['stale'])} | {_share(e['lost'])} | "
+            f"{fmt(e.get('peak_per_param'), '{:.2f}')} | {e['val_mean']:.4f}{spread} | {gap} | "
+            f"{_share(e['stale'])} | {_share(e['lost'])} | "
             f"{fmt(e['ratio'], '{:.2e}')} | {fmt(e['step_ms'], '{:.0f}')} |"
         )
+    if absent:
+        out += ["", "Not run here (library or option missing): " + "; ".join(absent) + "."]
     out += ["", "Targets (issue 10), measured:", ""]
     for t in result["targets"]:
         want = f"<= {t['max_bytes']:g} B/param, " + (
@@ -216,7 +246,14 @@ def markdown(result: dict[str, Any]) -> str:
         "(model params, masters and their remainder/compensation/RNG buffers, optimizer "
         "moments with their quantization scales and step counters, and the fp32 grad "
         "buffer of `mixed`), over the parameter count; grads, which live only between "
-        "backward and the step, are left out. *gap*: final validation loss over fp32's, "
+        "backward and the step, are left out. *peak B/param*: those bytes plus the highest "
+        "running total, during one profiled step of the row (on a trainer of its own, "
+        "after two steps on the run's first batches), of the allocations that are not "
+        "activations: the grads, the optimizer's temporaries, an extension's scratch "
+        "(`bench.common.memory`; limits in `bench/README.md`). Peers keep their own state "
+        "formats (torchao and bitsandbytes leave tensors under 4,096 elements unquantized: "
+        "this model's norms and biases); their *stale* and *lost* are not measured. "
+        "*gap*: final validation loss over fp32's, "
         "seed by seed. *val loss*: mean ± half the range over seeds. Every diagnostic "
         f"is a fraction of all parameter elements, on one step in {cfg['diag_every']}, "
         "averaged over those steps and the seeds: *stale*, the update was non-zero but "
@@ -254,7 +291,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     labels: dict[tuple[float, float], list[str]] = {}
     fig, (ax_v, ax_g, ax_s) = plt.subplots(1, 3, figsize=(18, 5.2), constrained_layout=True)
     for row in result["rows"]:
-        runs = [r for r in by.get(row["name"], {}).values() if "error" not in r]
+        runs = [r for r in by.get(row["name"], {}).values() if "val_curve" in r]
         if not runs:
             continue
         st = _style(row)

@@ -12,12 +12,14 @@ import hashlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 import mpfunc
+from bench.common import peers
+from bench.common.memory import measure_step, persistent_bytes
 from bench.convergence import data
 from bench.convergence.config import BETAS, EPS, WEIGHT_DECAY, Row, lr_at
 from bench.convergence.model import CharLM, loss_fn
@@ -38,28 +40,6 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]]) ->
     losses = [loss_fn(model, x, y).item() for x, y in batches]
     model.train()
     return sum(losses) / len(losses)
-
-
-def tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a tree of dicts, lists and tuples (NamedTuples included)."""
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, Mapping):
-        for v in tree.values():
-            yield from tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from tensors(v)
-
-
-def persistent_bytes(*trees: Any) -> int:
-    """Bytes of the distinct storages behind every tensor of ``trees``: a tensor held
-    twice (a strategy's master keeps the model's own param) counts once."""
-    seen: dict[tuple[int, int], int] = {}
-    for t in (t for tree in trees for t in tensors(tree)):
-        s = t.untyped_storage()
-        seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
-    return sum(seen.values())
 
 
 def digest(tensors_by_name: Mapping[str, torch.Tensor]) -> str:
@@ -219,13 +199,19 @@ class Trainer:
         return loss.item()
 
 
+class Unsupported(RuntimeError):
+    """The row's library or option is not installed here (reported, not a failure)."""
+
+
 class TorchTrainer(Trainer):
-    """``torch.optim.AdamW`` on the model itself (fp32, or pure bf16)."""
+    """``torch.optim.AdamW`` on the model itself (fp32, or pure bf16; ``fused=True`` where
+    the row's ``optimizer`` is ``"fused"``)."""
 
     def setup(self, cfg: dict[str, Any], seed: int) -> None:
         self.opt = torch.optim.AdamW(
-            self.params.values(), lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
-        )
+            self.params.values(), lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+            fused=True if self.row.optimizer == "fused" else None,
+        )  # fmt: skip
 
     def held(self) -> list[Any]:
         return [self.params, list(self.opt.state.values())]
@@ -257,6 +243,54 @@ class TorchTrainer(Trainer):
         )
         # The param is the stored value: unchanged param, lost update.
         self.diag.add(step, stale / self.n, unchanged / self.n, unchanged / self.n, ratio)
+
+
+class OptimTrainer(TorchTrainer):
+    """A ``torch.optim.Optimizer`` other than AdamW on the bf16 model: a peer's
+    (``bench.common.peers``), or ``mpfunc.MasterOptimizer(..., step_in_backward=True)``.
+    Its state is its own, so the diagnostics count only unchanged params (stale and lost
+    updates, which need the update AdamW would make, are not measured: NaN)."""
+
+    def setup(self, cfg: dict[str, Any], seed: int) -> None:
+        ps = list(self.params.values())
+        hyper = {"lr": cfg["lr"], "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
+        if self.row.kind == "peer":
+            assert self.row.optimizer is not None
+            try:
+                self.opt = peers.make(self.row.optimizer, ps, **hyper)
+            except ImportError as e:
+                label = peers.PEERS[self.row.optimizer].label
+                raise Unsupported(f"{label}: {e}") from e
+            return
+        state_dtype = getattr(torch, self.row.state_dtype or "float32")
+        try:
+            self.opt = mpfunc.MasterOptimizer(
+                ps, strategy=self.row.strategy or "fp32", step_in_backward=True,
+                state_dtype=state_dtype, **hyper,
+            )  # fmt: skip
+        except TypeError as e:
+            if "step_in_backward" not in str(e):
+                raise
+            raise Unsupported(f"this mpfunc has no MasterOptimizer(step_in_backward=): {e}") from e
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, lr: float, i: int, diag: bool) -> float:
+        # The lr first: with step_in_backward the update runs inside backward. torchao
+        # keeps it as a tensor (its compiled step reads it), to be written in place.
+        for group in self.opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        return super().step(x, y, lr, i, diag)
+
+    def update(self, lr: float, step: int, diag: bool) -> None:
+        ps = list(self.params.values())
+        before = [p.detach().clone() for p in ps] if diag else []
+        self.opt.step()  # after step_in_backward: no grad is left, nothing to do
+        if diag:
+            unchanged = sum(int((p.detach() == b).sum()) for p, b in zip(ps, before))
+            nan = float("nan")
+            self.diag.add(step, nan, nan, unchanged / self.n, nan)
 
 
 class Twin:
@@ -382,8 +416,9 @@ class MpfuncTrainer(Trainer):
 
 
 def _trainer(row: Row, cfg: dict[str, Any], start: dict[str, torch.Tensor], seed: int) -> Trainer:
-    kind: type[Trainer] = TorchTrainer if row.kind == "torch" else MpfuncTrainer
-    return kind(row, cfg, start, seed)
+    kinds: dict[str, type[Trainer]] = {"torch": TorchTrainer, "peer": OptimTrainer,
+                                       "backward": OptimTrainer}  # fmt: skip
+    return kinds.get(row.kind, MpfuncTrainer)(row, cfg, start, seed)
 
 
 class Start(NamedTuple):
@@ -402,6 +437,9 @@ def train_row(row: Row, start: Start, log: Log) -> dict[str, Any]:
     result: dict[str, Any] = {"row": row.name, "seed": start.seed}
     try:
         result.update(_train(row, start, log))
+    except Unsupported as e:
+        log(f"[{row.name}] not run here: {e}")
+        result["unsupported"] = str(e)
     except Exception as e:  # reported in the table; the study goes on
         msg = f"{type(e).__name__}: {e}"
         log(f"[{row.name}] seed {start.seed} FAILED: {msg}")
@@ -410,8 +448,32 @@ def train_row(row: Row, start: Start, log: Log) -> dict[str, Any]:
     return result
 
 
+def measure_memory(row: Row, start: Start) -> dict[str, float]:
+    """The row's bytes per param on a trainer of its own (the run's trainer is left alone:
+    profiling would skew its step times, and a twin's work is not the row's): held between
+    steps, and the peak of a profiled step with activations apart (``bench.common.memory``),
+    on the first batches of the run, after one step that makes lazy state."""
+    cfg, batches = start.cfg, start.batches
+    trainer = _trainer(row, cfg, start.weights, start.seed)
+    trainer.twin = None
+    lr = cfg["lr"]
+
+    def batch(i: int) -> tuple[torch.Tensor, ...]:
+        return windows(start.corpus.train, batches.train[i % len(batches.train)], cfg["ctx"])
+
+    trainer.step(*batch(0), lr, 0, False)
+    steps = iter(range(1, 3))
+
+    def one() -> None:
+        i = next(steps)
+        trainer.step(*batch(i), lr, i, False)
+
+    return measure_step(one, trainer.held()).per_param(trainer.n)
+
+
 def _train(row: Row, start: Start, log: Log) -> dict[str, Any]:
     cfg, corpus, batches, seed = start.cfg, start.corpus, start.batches, start.seed
+    memory = measure_memory(row, start)
     trainer = _trainer(row, cfg, start.weights, seed)
     held_bytes = persistent_bytes(*trainer.held())
     steps, every = cfg["steps"], cfg["diag_every"]
@@ -436,7 +498,8 @@ def _train(row: Row, start: Start, log: Log) -> dict[str, Any]:
     step_ms = statistics.median(step_s) * 1e3 if step_s else float("nan")
     log(
         f"[{row.name:14}] seed {seed}: val {final_val:.4f}  "
-        f"{held_bytes / trainer.n:.2f} B/param  {step_ms:.0f} ms/step  {wall:.0f} s"
+        f"{held_bytes / trainer.n:.2f} B/param (peak {memory['peak']:.2f})  "
+        f"{step_ms:.0f} ms/step  {wall:.0f} s"
     )
     return {
         "params": trainer.n,
@@ -445,6 +508,7 @@ def _train(row: Row, start: Start, log: Log) -> dict[str, Any]:
         "final_val_loss": final_val,
         "final_train_loss": sum(train_loss[-tail:]) / tail,
         "bytes_per_param": held_bytes / trainer.n,
+        "memory_per_param": memory,
         "step_ms_median": step_ms,
         "wall_s": wall,
         "diag": trainer.diag.summary(),

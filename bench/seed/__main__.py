@@ -132,6 +132,10 @@ def run_device(
                     results[m]["error"] = str(e)
                     say(f"{device}: {m} FAILED: {e}")
                     continue
+                if "unsupported" in info:
+                    results[m]["unsupported"] = info["unsupported"]
+                    say(f"{device}: {m} not run here: {info['unsupported']}")
+                    continue
                 results[m]["setup"] = info
                 live.append(m)
                 say(

@@ -14,12 +14,20 @@ AdamW, loss in fp32. A mode is a recipe and an optimizer implementation:
 - ``syncfree`` (XLA only): an fp32 model with ``torch_xla.amp.syncfree.AdamW``, the
   optimizer a torch_xla user would pick (one fused op per tensor);
 - ``<recipe>-fused`` (CPU and CUDA only): the recipe with ``torch.optim.AdamW(fused=True)``,
-  the fastest torch.optim a user could pick, next to the recipe on torch's default.
+  the fastest torch.optim a user could pick, next to the recipe on torch's default;
+- ``mpfunc-step-in-backward``: ``mpfunc.MasterOptimizer(..., step_in_backward=True)``, each
+  leaf stepped as its grad completes (skipped, with the reason, where mpfunc has no such
+  option);
+- ``peer-<name>`` (CPU and CUDA only): a bf16 model with another library's memory-saving
+  AdamW (``bench.common.peers``; skipped, with the reason, where it does not import).
+
+A mode is one line: a strategy row in ``STRATEGY_MODES``, a peer in ``PEERS``.
 """
 
 from __future__ import annotations
 
 from bench.common.model_config import ModelConfig
+from bench.common.peers import PEERS
 
 # mpfunc with a master strategy: (strategy, state dtype name or None for fp32 moments).
 STRATEGY_MODES = {
@@ -27,8 +35,13 @@ STRATEGY_MODES = {
     "mpfunc-kahan": ("kahan", "bfloat16"),
     "mpfunc-stochastic": ("stochastic", "uint8"),
 }
+# MasterOptimizer with each leaf stepped from its grad hook: (strategy, state dtype name).
+BACKWARD_MODES = {"mpfunc-step-in-backward": ("fp32", None)}
+PEER = "peer-"
+PEER_MODES = tuple(PEER + name for name in PEERS)
 BASE_MODES = (
-    "fp32", "bf16", "flat", "pertensor", "mpfunc", *STRATEGY_MODES, "autocast", "syncfree",
+    "fp32", "bf16", "flat", "pertensor", "mpfunc", *STRATEGY_MODES, *BACKWARD_MODES,
+    "autocast", "syncfree", *PEER_MODES,
 )  # fmt: skip
 # Recipes that run torch.optim.AdamW, and so get a fused twin on the devices that have one.
 TORCH_OPTIM_MODES = ("fp32", "bf16", "flat", "pertensor", "autocast")
@@ -44,6 +57,7 @@ DEVICES = ("cpu", "xla", "cuda")
 ONLY_ON = {
     "syncfree": ("xla",),
     **{m + FUSED: ("cpu", "cuda") for m in TORCH_OPTIM_MODES},
+    **{m: ("cpu", "cuda") for m in PEER_MODES},  # peers have no XLA path
 }
 # Modes whose step time the others are divided by in the tables (where they ran).
 REFERENCES = ("fp32", "fp32-fused", "bf16", "pertensor", "pertensor-fused", "flat")
@@ -76,6 +90,8 @@ def runs_on(mode: str, device: str) -> bool:
 def recipe(mode: str) -> str:
     """The recipe of a mode: ``"pertensor"`` for ``"pertensor-fused"``, ``"mpfunc"`` for
     ``"mpfunc-remainder"``."""
-    if mode in STRATEGY_MODES:
+    if mode in STRATEGY_MODES or mode in BACKWARD_MODES:
         return "mpfunc"
+    if mode in PEER_MODES:
+        return "peer"
     return mode[: -len(FUSED)] if mode.endswith(FUSED) else mode

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.report import fmt, header, pyplot
-from bench.seed.config import FUSED, REFERENCES, recipe
+from bench.seed.config import FUSED, PRESETS, REFERENCES, SCHEDULES, recipe
 
 MIB = 2**20
 COLORS = {
@@ -37,6 +37,8 @@ def summarize(device: str, modes: list[str], results: dict[str, Any]) -> dict[st
         s: dict[str, Any] = {"blocks": len(samples)}
         if "error" in r:
             s["error"] = r["error"]
+        if "unsupported" in r:
+            s["unsupported"] = r["unsupported"]
         if samples:
             times = [x["step_s"] for x in samples]
             s["median_s"] = statistics.median(times)
@@ -68,7 +70,13 @@ def summarize(device: str, modes: list[str], results: dict[str, Any]) -> dict[st
                     sum(x["counters"]["transfers_to_host"] for x in samples) / steps
                 )
         if "memory" in r:
-            s["peak_mib"] = r["memory"]["peak_bytes"] / MIB
+            mem = r["memory"]
+            s["peak_mib"] = mem["peak_bytes"] / MIB
+            if "persistent_bytes" in mem:
+                s["persistent_per_param"] = mem["persistent_bytes"] / mem["params"]
+            if "step" in mem:
+                s["step_peak_per_param"] = mem["step"]["peak"] / mem["params"]
+                s["activations_per_param"] = mem["step"]["activations"] / mem["params"]
         summary[m] = s
     for s in summary.values():
         ref = summary.get("pertensor", {}).get("update_s")
@@ -126,15 +134,17 @@ def _device_table(name: str, dev: dict[str, Any]) -> list[str]:
     refs = [r for r in REFERENCES if r in dev["summary"]]
     head = "| mode | step ms | min–max ms | " + " | ".join(f"× {r}" for r in refs)
     rule = "|---|--:|--:|" + "--:|" * len(refs)
-    head += " | peak MiB |"
-    rule += "--:|"
+    head += " | peak MiB | held B/param | peak B/param |"
+    rule += "--:|--:|--:|"
     if xla:
         head += " trace ms | update ms | execute ms | compiles | graphs/step |"
         rule += "--:|--:|--:|--:|--:|"
     lines = [head, rule]
     for mode, s in dev["summary"].items():
+        if "unsupported" in s:
+            continue  # listed below the table, with the reason
         if "median_s" not in s:
-            cells = [mode, "failed", *["–"] * (len(refs) + (7 if xla else 2))]
+            cells = [mode, "failed", *["–"] * (len(refs) + (9 if xla else 4))]
             lines.append("| " + " | ".join(cells) + " |")
             continue
         cells = [
@@ -143,6 +153,8 @@ def _device_table(name: str, dev: dict[str, Any]) -> list[str]:
             f"{s['min_s'] * 1e3:.1f}–{s['max_s'] * 1e3:.1f}",
             *(fmt(s.get(f"x_{ref}"), "{:.2f}") for ref in refs),
             fmt(s.get("peak_mib"), "{:.0f}"),
+            fmt(s.get("persistent_per_param"), "{:.2f}"),
+            fmt(s.get("step_peak_per_param"), "{:.2f}"),
         ]
         if xla:
             cells += [
@@ -154,6 +166,22 @@ def _device_table(name: str, dev: dict[str, Any]) -> list[str]:
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _reduced(result: dict[str, Any]) -> list[str]:
+    """A line saying where the run's size or schedule differs from its preset's."""
+    preset = PRESETS.get(result["preset"])
+    if preset is None:
+        return []
+    want = {
+        **preset.__dict__,
+        **dict(zip(("warmup", "blocks", "steps"), SCHEDULES[result["preset"]])),
+    }
+    got = {**result["config"], **result["schedule"]}
+    diff = [f"{k} {got[k]} (preset: {want[k]})" for k in want if k in got and got[k] != want[k]]
+    if not diff:
+        return []
+    return [f"**Reduced run** (differs from preset `{result['preset']}`): {', '.join(diff)}.  "]
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -174,6 +202,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"Protocol: {sched['warmup']} warm-up steps excluded, then {sched['blocks']} blocks "
         f"of {sched['steps']} steps per mode, modes interleaved, each in its own process.  ",
         *header(result["meta"]),
+        *_reduced(result),
         "",
     ]
     for name, dev in result["devices"].items():
@@ -197,6 +226,8 @@ def markdown(result: dict[str, Any]) -> str:
             ]
         errors = [(m, s["error"]) for m, s in dev["summary"].items() if "error" in s]
         lines += [""] + [f"- `{m}` failed: {e}" for m, e in errors] + ([""] if errors else [])
+        absent = [(m, s["unsupported"]) for m, s in dev["summary"].items() if "unsupported" in s]
+        lines += [f"- `{m}` not run here: {why}" for m, why in absent] + ([""] if absent else [])
     for name, why in result.get("skipped", {}).items():
         lines += [f"Not run here: {name} ({why}).", ""]
     lines += ["## Targets (from issues 3 and 11; measured, not asserted)", ""]
@@ -226,6 +257,15 @@ def markdown(result: dict[str, Any]) -> str:
         "running total of its allocations (torch profiler). Peak RSS over baseline: resident "
         "set high-water mark during the measured steps, minus the worker's RSS before it built "
         "the model (XLA:CPU reports no allocator statistics).",
+        "Held B/param: bytes of the distinct tensor storages the mode keeps from one step to "
+        "the next (params, masters and their buffers, optimizer state with its scales and "
+        "step counters, and the fp32 grad buffers of `flat` and `pertensor`), over the model's "
+        "parameter count; on XLA from the tensors' sizes. Peak B/param (cpu and cuda): the "
+        "held bytes plus the highest running total, during one extra profiled step, of the "
+        "allocations that are not activations: grads, the optimizer's temporaries, an "
+        "extension's scratch (torch's memory profiler tells activations apart; "
+        "`bench.common.memory`, limits in `bench/README.md`). Activations are the rest of "
+        "peak MiB.",
         "",
     ]
     return "\n".join(lines)

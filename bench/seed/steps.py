@@ -7,24 +7,41 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from bench.common import peers
 from bench.common.model import Model, fp32_loss
 from bench.common.model_config import ModelConfig
 from bench.seed.config import (
+    BACKWARD_MODES,
     BETAS,
     EPS,
     FUSED,
     LR,
     MODES,
+    PEER,
     STRATEGY_MODES,
     WEIGHT_DECAY,
     recipe,
 )
 
 Step = Callable[[], torch.Tensor]
+
+
+class Mode(NamedTuple):
+    """A built mode: its step, the optimizer's name, and what it keeps between steps."""
+
+    step: Step
+    optimizer: str
+    held: Callable[[], list[Any]]  # the trees kept from one step to the next (no grads)
+    params: list[torch.Tensor]  # the model's params (their count is the per-param divisor)
+
+
+class Unsupported(RuntimeError):
+    """The mode cannot run with the libraries installed here (reported, not a failure)."""
 
 
 class UpdateClock:
@@ -80,7 +97,7 @@ def make_step(
     *,
     torch_optim: str = "default",
     seed: int = 0,
-) -> tuple[Step, str]:
+) -> Mode:
     """Build the model for ``mode`` on ``device``.
 
     Args:
@@ -92,12 +109,13 @@ def make_step(
         seed: initial weights and batch.
 
     Returns:
-        A function running one training step, and the optimizer's name. The step returns
-        the (fp32, 0-d, detached) loss and does not sync the host; on xla the caller ends
-        the step with ``torch_xla.sync()``.
+        The ``Mode``: a function running one training step, the optimizer's name, and the
+        trees it keeps between steps. The step returns the (fp32, 0-d, detached) loss and
+        does not sync the host; on xla the caller ends the step with ``torch_xla.sync()``.
 
     Raises:
         ValueError: an unknown mode.
+        Unsupported: the mode's library or option is not available here.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -109,13 +127,23 @@ def make_step(
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
     targets = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen).to(device)
-    low = kind in ("bf16", "flat", "pertensor", "mpfunc")
+    low = kind in ("bf16", "flat", "pertensor", "mpfunc", "peer")
     model.to(device=device, dtype=torch.bfloat16 if low else torch.float32)
     model.train()
     torch_name = describe_torch_adamw(device, torch_optim)
 
-    if kind in ("fp32", "bf16"):
-        opt = _torch_adamw(list(model.parameters()), torch_optim)
+    params = list(model.parameters())
+    if kind in ("fp32", "bf16", "peer"):
+        if kind == "peer":
+            name = mode.removeprefix(PEER)
+            try:
+                opt = peers.make(name, params, lr=LR, betas=BETAS, eps=EPS,
+                                 weight_decay=WEIGHT_DECAY)  # fmt: skip
+            except ImportError as e:
+                raise Unsupported(f"{peers.PEERS[name].label}: {e}") from e
+            torch_name = peers.PEERS[name].label
+        else:
+            opt = _torch_adamw(params, torch_optim)
 
         def step() -> torch.Tensor:
             loss = fp32_loss(model(tokens), targets)
@@ -126,7 +154,7 @@ def make_step(
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        return step, torch_name
+        return Mode(step, torch_name, lambda: [params, list(opt.state.values())], params)
 
     if kind == "autocast":
         opt = _torch_adamw(list(model.parameters()), torch_optim)
@@ -142,22 +170,24 @@ def make_step(
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        return autocast_step, torch_name
+        return Mode(autocast_step, torch_name, lambda: [params, list(opt.state.values())], params)
 
     if kind == "syncfree":
         return _syncfree_step(model, tokens, targets, device)
-
-    low_params = list(model.parameters())
     if kind == "flat":
-        return _flat_step(model, low_params, tokens, targets, device, torch_optim), torch_name
+        step, held = _flat_step(model, params, tokens, targets, device, torch_optim)
+        return Mode(step, torch_name, held, params)
     if kind == "pertensor":
-        return _pertensor_step(model, low_params, tokens, targets, torch_optim), torch_name
+        step, held = _pertensor_step(model, params, tokens, targets, torch_optim)
+        return Mode(step, torch_name, held, params)
+    if mode in BACKWARD_MODES:
+        return _backward_step(model, tokens, targets, mode)
     return _mpfunc_step(model, tokens, targets, mode)
 
 
 def _syncfree_step(
     model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device
-) -> tuple[Step, str]:
+) -> Mode:
     # torch_xla's AMP optimizer: one fused `_xla_adam_optimizer_step_` per tensor. It takes
     # that path only when given `found_inf` (without it, it is torch.optim.AdamW), as under
     # torch_xla's GradScaler; an fp32 model has nothing to unscale, so found_inf stays 0.
@@ -177,7 +207,9 @@ def _syncfree_step(
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step, "torch_xla.amp.syncfree.AdamW (found_inf given)"
+    params = list(model.parameters())
+    held = lambda: [params, list(opt.state.values())]  # noqa: E731
+    return Mode(step, "torch_xla.amp.syncfree.AdamW (found_inf given)", held, params)
 
 
 def _flat_step(
@@ -187,7 +219,7 @@ def _flat_step(
     targets: torch.Tensor,
     device: torch.device,
     torch_optim: str,
-) -> Step:
+) -> tuple[Step, Callable[[], list[Any]]]:
     # The original report's recipe, step for step: ONE flat fp32 buffer holds every
     # master, and grads and weights travel through offset slices of it.
     total = sum(p.numel() for p in low_params)
@@ -221,7 +253,8 @@ def _flat_step(
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step
+    # The flat fp32 grad buffer is kept between steps, as in the report.
+    return step, lambda: [low_params, flat_param, flat_param.grad, list(opt.state.values())]
 
 
 def _pertensor_step(
@@ -230,7 +263,7 @@ def _pertensor_step(
     tokens: torch.Tensor,
     targets: torch.Tensor,
     torch_optim: str,
-) -> Step:
+) -> tuple[Step, Callable[[], list[Any]]]:
     # The report's fix: one fp32 torch.optim parameter per model tensor, same shapes,
     # and a Python loop copying through them. Unlike the report we skip zeroing the
     # fp32 grads first, since the copy overwrites every element; the baseline is then
@@ -256,12 +289,13 @@ def _pertensor_step(
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step
+    # The fp32 grads are buffers kept between steps (the copy overwrites them).
+    return step, lambda: [low_params, masters, [m.grad for m in masters], list(opt.state.values())]
 
 
 def _mpfunc_step(
     model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, mode: str = "mpfunc"
-) -> tuple[Step, str]:
+) -> Mode:
     # The library's single pass on its default (fastest) path: bf16 grads in, the masters,
     # moments and bf16 params written in one call (one XLA computation on XLA). With a
     # strategy mode, the masters and moments are kept as that strategy and dtype say.
@@ -286,6 +320,44 @@ def _mpfunc_step(
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
+    name = "mpfunc.adamw (impl auto, params=)"
     if mode in STRATEGY_MODES:
-        return step, f"mpfunc.adamw (strategy={strategy!r}, state_dtype={state_name}, params=)"
-    return step, "mpfunc.adamw (impl auto, params=)"
+        name = f"mpfunc.adamw (strategy={strategy!r}, state_dtype={state_name}, params=)"
+    return Mode(step, name, lambda: [params, masters, state], list(params.values()))
+
+
+def _backward_step(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, mode: str
+) -> Mode:
+    # MasterOptimizer stepping each leaf from its post-accumulate-grad hook and freeing its
+    # grad, where mpfunc has the option. step() after backward then finds no grad left
+    # (torch.optim's protocol skips a param without one); it is timed as the update.
+    import mpfunc
+
+    strategy, state_name = BACKWARD_MODES[mode]
+    state_dtype = None if state_name is None else getattr(torch, state_name)
+    params = list(model.parameters())
+    try:
+        opt = mpfunc.MasterOptimizer(
+            params, strategy=strategy, step_in_backward=True, lr=LR, betas=BETAS, eps=EPS,
+            weight_decay=WEIGHT_DECAY, state_dtype=state_dtype,
+        )  # fmt: skip
+    except TypeError as e:
+        if "step_in_backward" not in str(e):
+            raise
+        raise Unsupported(f"this mpfunc has no MasterOptimizer(step_in_backward=): {e}") from e
+
+    def step() -> torch.Tensor:
+        loss = fp32_loss(model(tokens), targets)
+        UPDATE.start()  # the update runs inside backward: the clock holds backward too
+        loss.backward()
+        opt.step()
+        UPDATE.stop()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    name = (
+        f"mpfunc.MasterOptimizer (strategy={strategy!r}, state_dtype={state_name}, "
+        "step_in_backward=True)"
+    )
+    return Mode(step, name, lambda: [params, list(opt.state.values())], params)

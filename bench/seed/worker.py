@@ -4,9 +4,12 @@
 sends it commands, one reply each:
 
 - ``{"cmd": "setup", "config": {...}, "warmup": W, ...}``: build the mode, run the W
-  warm-up steps, reset the peak-memory gauge;
+  warm-up steps, reset the peak-memory gauge (or answer ``{"unsupported": why}`` when the
+  mode's library or option is not installed here);
 - ``{"cmd": "run", "steps": K}``: time K steps (one block);
-- ``{"cmd": "finish"}``: report peak memory and exit.
+- ``{"cmd": "finish"}``: report peak memory, the bytes the mode keeps between steps and,
+  on cpu and cuda, its measured peak with activations apart (``bench.common.memory``),
+  and exit.
 
 If the device cannot be opened, the first reply says so with ``"init_failed": true``.
 
@@ -34,8 +37,9 @@ import torch
 import torch._dynamo
 
 from bench.common.device import Device
+from bench.common.memory import measure_step, persistent_bytes
 from bench.common.model_config import ModelConfig
-from bench.seed.steps import UPDATE, make_step
+from bench.seed.steps import UPDATE, Mode, Unsupported, make_step
 
 
 def _live_cpu_tensor_bytes() -> int:
@@ -47,11 +51,11 @@ def _live_cpu_tensor_bytes() -> int:
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
         if obj.device.type == "cpu":
-            try:
+            try:  # fake tensors (torch.compile's, kept by a compiled peer) have no data
                 storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
             except (RuntimeError, NotImplementedError):
                 continue
-            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -94,6 +98,7 @@ class Worker:
         self.dev = Device(device)
         self.mode = mode
         self.step: Callable[[], torch.Tensor] | None = None
+        self.built: Mode | None = None
 
     def _steps(self, n: int) -> tuple[list[float], list[float], list[float], torch.Tensor]:
         """Runs ``n`` steps; returns each one's trace, update and sync seconds (the update:
@@ -116,13 +121,17 @@ class Worker:
     def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         cfg = ModelConfig(**msg["config"])
-        self.step, optimizer = make_step(
-            self.mode,
-            cfg,
-            self.dev.device,
-            torch_optim=msg.get("torch_optim", "default"),
-            seed=msg.get("seed", 0),
-        )
+        try:
+            self.built = make_step(
+                self.mode,
+                cfg,
+                self.dev.device,
+                torch_optim=msg.get("torch_optim", "default"),
+                seed=msg.get("seed", 0),
+            )
+        except Unsupported as e:
+            return {"unsupported": str(e)}
+        self.step, optimizer = self.built.step, self.built.optimizer
         self.dev.end_step()
         self.dev.wait()
         build_s = time.perf_counter() - t0
@@ -186,4 +195,13 @@ class Worker:
             mem["peak_bytes"] = _cpu_tensor_peak(self.step)
         else:
             mem["peak_bytes"] = rss_peak - self.dev.baseline_rss
+        # Bytes per param: kept between steps, and the step's peak with activations apart.
+        assert self.built is not None
+        n = sum(p.numel() for p in self.built.params)
+        mem["params"] = n
+        mem["persistent_bytes"] = persistent_bytes(*self.built.held())
+        if self.dev.kind in ("cpu", "cuda"):
+            step = measure_step(self.built.step, self.built.held(), self.dev.kind)
+            mem["step"] = step._asdict()
+            mem["persistent_bytes"] = step.persistent
         return mem
