@@ -96,9 +96,11 @@ __all__ = [
     "bytes_per_element",
     "check_quantizable",
     "dequantize4",
+    "dequantize4_list",
     "packed_bytes",
     "quantize4",
     "quantize4_",
+    "quantize4_list_",
     "zeros4",
 ]
 
@@ -454,3 +456,103 @@ def dequantize4(q: Q4State, shape: Sequence[int] | torch.Size) -> torch.Tensor:
     if not signed:
         y = y * y
     return _flush(y).view(-1)[:n].view(tuple(shape))
+
+
+def _batched(qs: Sequence[Q4State], batch: bool | None) -> bool:
+    """Whether a list goes through one concatenated graph: by default on XLA, where each
+    op is a traced node; only for one map on one device. Blocks never straddle two
+    tensors (each starts at a block boundary), so the bits equal one call per tensor."""
+    if not qs:
+        return False
+    first = qs[0].codes
+    if batch is None:
+        batch = len(qs) > 1 and first.device.type == "xla"
+    return batch and all(
+        q.codes.dtype == first.dtype and q.codes.device == first.device for q in qs
+    )
+
+
+def _block_codes(q: Q4State) -> torch.Tensor:
+    """A state's packed codes zero-padded to whole blocks (``BLOCK // 2`` bytes each)."""
+    n = q.scale.numel() * BLOCK // 2
+    c = q.codes
+    return torch.nn.functional.pad(c, (0, n - c.numel())) if c.numel() < n else c
+
+
+def dequantize4_list(
+    qs: Sequence[Q4State], shapes: Sequence[Sequence[int] | torch.Size], *,
+    batch: bool | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """``dequantize4`` of each state, as a list of fresh tensors (a foreach kernel's form).
+
+    ``batch`` (default: on XLA) decodes the whole list as one concatenation, with the same
+    bits. Every state is checked before anything is decoded.
+    """
+    if len(qs) != len(shapes):
+        raise ValueError(f"dequantize4_list: expected one shape per state, got {len(shapes)}")
+    for q, shape in zip(qs, shapes):
+        _check_state("dequantize4_list", q, math.prod(shape), q.codes.device)
+    if not _batched(qs, batch):
+        return [dequantize4(q, s) for q, s in zip(qs, shapes)]
+    signed = qs[0].codes.dtype == SIGNED_DTYPE
+    device = qs[0].codes.device
+    nib = _unpack(torch.cat([_block_codes(q) for q in qs]))
+    vals = torch.index_select(_table(signed, device), 0, nib)
+    s = torch.cat([q.scale for q in qs]).to(torch.float32)
+    if not signed:
+        s = s.clamp(min=_TINY)
+    y = vals.view(-1, BLOCK) * s.unsqueeze(1)
+    if not signed:
+        y = y * y
+    y = _flush(y).view(-1)
+    sizes = [q.scale.numel() * BLOCK for q in qs]
+    # Fresh tensors, not views of ``y``: on XLA, in-place writes to k views of one base
+    # re-slice every view from it (a graph quadratic in k; see _quantize.dequantize_list).
+    return [
+        part[: math.prod(shape)].view(tuple(shape)).clone()
+        for part, shape in zip(torch.split(y, sizes), shapes)
+    ]
+
+
+def quantize4_list_(
+    xs: Sequence[torch.Tensor],
+    qs: Sequence[Q4State],
+    *,
+    noises: Sequence[torch.Tensor | None] | None = None,
+    batch: bool | None = None,
+) -> None:
+    """``quantize4_`` of each pair; every pair is checked before the first write.
+
+    ``noises``: ``None``, or one ``noise`` (a tensor or ``None``) per pair. ``batch`` as in
+    ``dequantize4_list``; a list with noise for some pairs only runs one call per pair.
+    """
+    if len(xs) != len(qs):
+        raise ValueError(f"quantize4_list_: expected as many states as tensors, got {len(qs)}")
+    ns: Sequence[torch.Tensor | None] = [None] * len(xs) if noises is None else noises
+    if len(ns) != len(xs):
+        raise ValueError(f"quantize4_list_: expected as many noises as tensors, got {len(ns)}")
+    for x, q, n in zip(xs, qs, ns):
+        _check_float("quantize4_list_", x)
+        _check_state("quantize4_list_", q, x.numel(), x.device)
+        _check_noise("quantize4_list_", x, n)
+    mixed = any(n is None for n in ns) and any(n is not None for n in ns)
+    if mixed or not _batched(qs, batch):
+        for x, q, n in zip(xs, qs, ns):
+            signed = q.codes.dtype == SIGNED_DTYPE
+            nb = None if n is None else _as_blocks(n.reshape(-1))
+            code, scale = _encode(_as_blocks(x.reshape(-1)), signed, nb)
+            q.codes.copy_(_pack(code, x.numel(), signed))
+            q.scale.copy_(scale)
+        return
+    signed = qs[0].codes.dtype == SIGNED_DTYPE
+    xb = torch.cat([_as_blocks(x.reshape(-1)) for x in xs])
+    nb = (
+        None
+        if ns[0] is None
+        else torch.cat([_as_blocks(n.reshape(-1)) for n in ns if n is not None])
+    )
+    code, scale = _encode(xb, signed, nb)
+    counts = [q.scale.numel() for q in qs]
+    for c, sc, x, q in zip(torch.split(code, counts), torch.split(scale, counts), xs, qs):
+        q.codes.copy_(_pack(c, x.numel(), signed))
+        q.scale.copy_(sc)

@@ -322,6 +322,36 @@ def test_bytes_per_element() -> None:
     assert held / x.numel() == Q.bytes_per_element(x.numel())
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["looped", "batched"])
+def test_list_forms_match_one_call_per_tensor(device: torch.device, batch: bool) -> None:
+    """quantize4_list_/dequantize4_list (looped, or as one concatenation, XLA's default)
+    give the same bits as quantize4_/dequantize4 per tensor, odd tails included."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(3, 17), (32,), (2, 50), (33,)]
+    for signed in (True, False):
+        xs = [
+            torch.randn(s, generator=g) * 10.0 ** torch.randint(-8, 3, s, generator=g)
+            for s in shapes
+        ]
+        xs = [x if signed else x.square() for x in xs]
+        xs[0][1, 2] = math.nan
+        for noisy in (False, True):
+            keys = [torch.tensor(i, dtype=torch.int32) for i in range(len(shapes))]
+            ns = [_rng.uniform(k, s).to(device) if noisy else None for k, s in zip(keys, shapes)]
+            dx = [x.to(device) for x in xs]
+            one = [Q.zeros4(s, signed, device) for s in shapes]
+            many = [Q.zeros4(s, signed, device) for s in shapes]
+            for x, q, n in zip(dx, one, ns):
+                Q.quantize4_(x, q, noise=n)
+            Q.quantize4_list_(dx, many, noises=ns, batch=batch)
+            outs = Q.dequantize4_list(many, shapes, batch=batch)
+            sync(device)
+            for a, b, o, s in zip(one, many, outs, shapes):
+                assert torch.equal(a.codes.cpu(), b.codes.cpu())
+                assert_bits_equal(a.scale.cpu(), b.scale.cpu())
+                assert_bits_equal(Q.dequantize4(a, s).cpu(), o.cpu(), nan_payload=False)
+
+
 # --- stochastic rounding -------------------------------------------------------------------
 
 
@@ -473,7 +503,13 @@ def test_bad_inputs_write_nothing(row: tuple[str, Callable[[], Any], type[Except
     snap = snapshot([x, *q])
     with pytest.raises(exc, match=msg):
         Q.quantize4_(x, q)
+    good_x, good_q = torch.ones(40), _state(40)
+    snap_good = snapshot([good_x, *good_q])
+    with pytest.raises(exc, match=msg):
+        # The good pair comes first and must not be written either.
+        Q.quantize4_list_([good_x, x], [good_q, q])
     assert_unchanged([x, *q], snap)
+    assert_unchanged([good_x, *good_q], snap_good)
 
 
 def test_bad_noise_writes_nothing() -> None:
