@@ -19,7 +19,7 @@ measured in). Betas (0.9, 0.99), as the benchmark's. The 2-d leaves are compared
 candidate, rank-1 ones included, can hold them; the 1-d leaves are under 1% of the
 parameters). One torch thread.
 
-    python -m bench.q4_design --out bench/results/q4_design   # ~5-8 min of one core
+    python -m bench.q4_design --out bench/results/q4_design   # ~2 min CPU, one thread
     python -m bench.q4_design --smoke --out /tmp/q4           # seconds
 
 Writes ``q4_design.md`` and ``q4_design.json`` to ``--out``.

@@ -9,7 +9,7 @@ fp32 ones on the 2-d leaves (1-d leaves keep fp32 moments), and reports the fina
 validation loss against the same loop with fp32 moments. ``--phase scratch`` trains each
 candidate from the same initial weights through the 800 pretraining steps at 3e-3
 instead (the high rate, where moments steer more). Writes ``q4_loss_<phase>.md`` and
-``.json``.
+``.json``. Here (2 busy cores, one thread): scratch about 13 minutes, finetune about 7.
 """
 
 from __future__ import annotations
