@@ -217,9 +217,9 @@ def _wide(gen: torch.Generator, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("rule", ["adamw", "adamw-amsgrad", "sgd", "lion"])
 def test_fused_8bit_blocks_equal_the_tiles(
-    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str, amsgrad: bool
+    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str, rule: str
 ) -> None:
     # The 8-bit moments' fused piece (registers, divisions) against the tiles (tables,
     # phases), both checked against the torch path above, on values far wider than an
@@ -232,7 +232,16 @@ def test_fused_8bit_blocks_equal_the_tiles(
         gen = torch.Generator().manual_seed(7)
         params = {"w": _wide(gen, 4096).bfloat16().view(64, 64), "b": _wide(gen, 1000).bfloat16()}
         masters = mpfunc.init_master(params, strategy=strategy, seed=5)
-        opt = mpfunc.adamw(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, state_dtype=torch.uint8)
+        opt = {
+            "adamw": lambda: mpfunc.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.uint8),
+            "adamw-amsgrad": lambda: mpfunc.adamw(
+                lr=1e-2, weight_decay=0.1, amsgrad=True, state_dtype=torch.uint8
+            ),
+            "sgd": lambda: mpfunc.sgd(
+                lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, state_dtype=torch.uint8
+            ),
+            "lion": lambda: mpfunc.lion(lr=1e-3, weight_decay=0.1, state_dtype=torch.uint8),
+        }[rule]()
         state = opt.init(masters)
         kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
         for _ in range(3):

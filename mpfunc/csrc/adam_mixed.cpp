@@ -2069,8 +2069,12 @@ RuleFusedFn rule_fused_format(Format f, bool state, c10::ScalarType grad) {
       return rule_fused_grad<S, FMoment<F32>>(grad);
     case kBF16:
       return rule_fused_grad<S, FMoment<BF16>>(grad);
+#if defined(CPU_CAPABILITY_AVX512)
+    case kU8:
+      return rule_fused_grad<S, FU8>(grad);
+#endif
     default:
-      return nullptr;  // uint8: the tiles
+      return nullptr;  // uint8 without AVX-512: the tiles
   }
 }
 
@@ -2190,7 +2194,9 @@ void rule_item(Strategy s, Format f, bool state, std::pair<RowsFn, RowsFn> rows,
       store_master(s, L, tb, te, P + tb);
     }
   };
-  if (fused == nullptr) {
+  // A positional tail (a lerp at weight 1) need not end on an 8-bit block, and the 8-bit
+  // tiles must start on one: such a leaf takes the tiles alone.
+  if (fused == nullptr || (f == kU8 && h.positional)) {
     tiles(begin, end);
     return;
   }
