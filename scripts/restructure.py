@@ -11,9 +11,11 @@ What it does, mechanically:
 2. In every ``.py`` file of mpfunc/, tests/, bench/, examples/, scripts/: each
    ``from mpfunc import _X, _Y`` statement naming a moved module is rewritten (with ast)
    as one ``from mpfunc.<pkg> import _X`` per package (other names stay where they were).
-3. In every text file (code, docs, toml, MANIFEST): ``mpfunc._X`` becomes
-   ``mpfunc.<pkg>._X`` (imports, strings such as monkeypatch targets and ``python -m``)
-   and ``mpfunc/_X.py`` becomes ``mpfunc/<pkg>/_X.py`` (paths in docs and docstrings).
+3. In every text file (code, docs, toml, MANIFEST; not bench/results): ``mpfunc._X``
+   becomes ``mpfunc.<pkg>._X`` (imports, strings such as monkeypatch targets and
+   ``python -m``), ``mpfunc/_X.py`` becomes ``mpfunc/<pkg>/_X.py`` (paths in docs and
+   docstrings), and ``from mpfunc import _X`` left in strings (code run in a subprocess)
+   becomes ``from mpfunc.<pkg> import _X``.
 4. pyproject.toml: the package list and the csrc package data.
 Then ``ruff check --fix --select I`` and ``ruff format`` sort and format the imports.
 """
@@ -157,6 +159,8 @@ def rewrite_paths(text: str) -> str:
     for mod, pkg in WHERE.items():
         text = re.sub(rf"\bmpfunc\.{mod}\b", f"mpfunc.{pkg}.{mod}", text)
         text = re.sub(rf"\bmpfunc/{mod}\.py\b", f"mpfunc/{pkg}/{mod}.py", text)
+        # What the ast pass cannot see: one-module imports in code held in strings.
+        text = re.sub(rf"\bfrom mpfunc import {mod}\b(?!,)", f"from mpfunc.{pkg} import {mod}", text)
     return re.sub(r"\bmpfunc/csrc\b", "mpfunc/backends/csrc", text)
 
 
