@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 __all__ = [
     "GRAD_LAYOUTS",

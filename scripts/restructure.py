@@ -160,7 +160,9 @@ def rewrite_paths(text: str) -> str:
         text = re.sub(rf"\bmpfunc\.{mod}\b", f"mpfunc.{pkg}.{mod}", text)
         text = re.sub(rf"\bmpfunc/{mod}\.py\b", f"mpfunc/{pkg}/{mod}.py", text)
         # What the ast pass cannot see: one-module imports in code held in strings.
-        text = re.sub(rf"\bfrom mpfunc import {mod}\b(?!,)", f"from mpfunc.{pkg} import {mod}", text)
+        text = re.sub(
+            rf"\bfrom mpfunc import {mod}\b(?!,)", f"from mpfunc.{pkg} import {mod}", text
+        )
     return re.sub(r"\bmpfunc/csrc\b", "mpfunc/backends/csrc", text)
 
 
@@ -200,7 +202,7 @@ def pyproject() -> None:
     f = ROOT / "pyproject.toml"
     text = f.read_text()
     pkgs = ", ".join(['"mpfunc"', *(f'"mpfunc.{p}"' for p in PACKAGES)])
-    text = re.sub(r'(?m)^packages = \[.*\]$', f"packages = [{pkgs}]", text)
+    text = re.sub(r"(?m)^packages = \[.*\]$", f"packages = [{pkgs}]", text)
     text = text.replace(
         'mpfunc = ["py.typed", "csrc/*.cpp", "csrc/*.h"]',
         'mpfunc = ["py.typed"]\n"mpfunc.backends" = ["csrc/*.cpp", "csrc/*.h"]',

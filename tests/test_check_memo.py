@@ -22,13 +22,13 @@ import torch
 from support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 
 import mpfunc
-from mpfunc import _checks
+from mpfunc.core import _checks
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])
 def key_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the packed C++ key (``_native.meta_key``) and with the Python one."""
-    from mpfunc import _native
+    from mpfunc.backends import _native
 
     if request.param == "python":
         monkeypatch.setattr(_native, "key_function", lambda: None)
@@ -259,7 +259,7 @@ def _update(t: dict[str, Any], **kw: Any) -> None:
 
 
 def _spy_plan(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    from mpfunc import _plan
+    from mpfunc.backends import _plan
 
     calls = _count_checks(monkeypatch)
     real = _plan._decide
@@ -379,7 +379,7 @@ def test_a_changed_layout_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> N
 def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's memo is keyed on the rule and its hyperparameters and impl: the same trees
     with impl='foreach' (or other betas) are not handed the native kernel's plan."""
-    from mpfunc import _native
+    from mpfunc.backends import _native
 
     _checks.clear_memo()
     t = _one_pass()
@@ -438,7 +438,7 @@ def test_masters_to_model_is_checked_once(monkeypatch: pytest.MonkeyPatch, strat
 
 
 def _strategy_face(x: Any) -> torch.Tensor:
-    from mpfunc import _strategy
+    from mpfunc.strategies import _strategy
 
     return _strategy.face(x)  # type: ignore[no-any-return]
 

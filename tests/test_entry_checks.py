@@ -23,7 +23,8 @@ import torch
 from torch.utils import cpp_extension
 
 import mpfunc
-from mpfunc import _checks, _native
+from mpfunc.backends import _native
+from mpfunc.core import _checks
 from tests.support.helpers import assert_bits_equal, assert_trees_bits_equal
 from tests.support.native import native_module
 
@@ -602,7 +603,7 @@ def test_a_truncated_library_in_the_cache_is_rebuilt_for_real(
     so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
     script = (
         "import warnings; warnings.simplefilter('error')\n"
-        "from mpfunc import _native\n"
+        "from mpfunc.backends import _native\n"
         "_native.load()\n"
         "print(_native.build_info()['build_s'] is not None, _native.key_function() is not None)"
     )

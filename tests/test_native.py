@@ -1,4 +1,4 @@
-"""The native one-pass CPU Adam/AdamW (mpfunc/_native.py, mpfunc/csrc/adam_mixed.cpp).
+"""The native one-pass CPU Adam/AdamW (mpfunc/backends/_native.py, mpfunc/backends/csrc/adam_mixed.cpp).
 
 Its promise: for finite inputs, masters, moments and steps bit-identical to torch's fused
 CPU kernel run on the fp32-upcast (and unscaled) grads, and params bit-identical to
@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpfunc import _native
+from mpfunc.backends import _native
 from tests.support.error_table import assert_unchanged, snapshot, tensors
 from tests.support.native import native_module
 

@@ -253,7 +253,7 @@ def test_the_optimizer_stays_a_plain_named_tuple() -> None:
 
     import optree
 
-    from mpfunc._optimizer import Optimizer
+    from mpfunc.core._optimizer import Optimizer
 
     opt = mpfunc.adamw()
     leaves, spec = optree.tree_flatten(opt)

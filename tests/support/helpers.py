@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 # The bound for paths whose op order differs from torch.optim's (foreach/reference
 # Adam, any lr given as a tensor): |mpfunc - torch| <= RTOL * |torch| + ATOL_PER_LR * lr * N
