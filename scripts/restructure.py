@@ -27,6 +27,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -106,7 +107,7 @@ def move() -> None:
         d.mkdir(exist_ok=True)
         init = d / "__init__.py"
         if not init.exists():
-            init.write_text(f'"""{doc}"""\n')
+            init.write_text('"""' + textwrap.fill(doc, 92) + '"""\n')
             git("add", str(init.relative_to(ROOT)))
         for mod in mods:
             src = ROOT / "mpfunc" / f"{mod}.py"
@@ -181,6 +182,13 @@ def text_files() -> list[pathlib.Path]:
 
 # Module names built at run time, which no pattern above can see.
 DYNAMIC = {
+    # (and a docstring line that the longer paths would push past 100 characters)
+    "tests/test_native.py": [
+        (
+            "(mpfunc/backends/_native.py, mpfunc/backends/csrc/adam_mixed.cpp)",
+            "(mpfunc/backends/_native.py, backends/csrc/adam_mixed.cpp)",
+        ),
+    ],
     "mpfunc/strategies/_strategy.py": [
         ('import_module(f"mpfunc.{name}")', 'import_module(f"mpfunc.strategies.{name}")'),
     ],

@@ -1,4 +1,4 @@
-"""The native one-pass CPU Adam/AdamW (mpfunc/backends/_native.py, mpfunc/backends/csrc/adam_mixed.cpp).
+"""The native one-pass CPU Adam/AdamW (mpfunc/backends/_native.py, backends/csrc/adam_mixed.cpp).
 
 Its promise: for finite inputs, masters, moments and steps bit-identical to torch's fused
 CPU kernel run on the fp32-upcast (and unscaled) grads, and params bit-identical to

@@ -1,1 +1,2 @@
-"""The optimizers (each one's math and back ends together), torch.optim adapters, migration and MasterOptimizer."""
+"""The optimizers (each one's math and back ends together), torch.optim adapters, migration and
+MasterOptimizer."""
