@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc.core import _tree
+from mpfunc.strategies import _strategy
 
 __all__ = ["UpdateStats", "init_stats", "record"]
 
@@ -47,10 +48,6 @@ def init_stats(masters: Any) -> Any:
       mpfunc.apply_update_(masters, grads, state, opt, params=params, stats=stats)
       print({k: s.swallowed.item() for k, s in stats.items()})   # reads after the step
     """
-    from mpfunc.strategies import (
-        _strategy,  # (imports the strategies, which import this module's peers)
-    )
-
     side, spec = _strategy.master_leaves("init_stats", "masters", masters)
 
     def make(m: Any) -> UpdateStats:

@@ -56,6 +56,9 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
+from mpfunc.core import _checks
+from mpfunc.strategies import _strategy
+
 if TYPE_CHECKING:
     from mpfunc.core._optimizer import Group
 
@@ -382,6 +385,10 @@ def key_function() -> Any:
     return getattr(_module, "meta_key", None)
 
 
+# The checks' memo keys use the packer (through the module's global: tests replace it).
+_checks.use_packed_keys(lambda: key_function())
+
+
 def available() -> bool:
     """Whether the native kernels can run here, building them on the first call.
 
@@ -517,7 +524,6 @@ FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 def _composed(group: Group, h: Any) -> None:
     """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
-    from mpfunc.strategies import _strategy  # (_strategy imports the planner, which imports us)
 
     s = group.state
     first: Any = group.params[0]

@@ -34,7 +34,7 @@ the above after checking the state; nothing is written while planning.
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -44,6 +44,14 @@ from mpfunc.core import _checks, _dtensor, _gc, _tree
 from mpfunc.core._checks import LR, Like, LRArg, Side
 from mpfunc.core._compile import compiling
 from mpfunc.core._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
+from mpfunc.core._tensors import (
+    FOREACH_CHUNK_NUMEL,
+    chunks,
+    fresh_copy,
+    group_indices,
+    is_lazy,
+    pick,
+)
 from mpfunc.parallel import _sharding
 from mpfunc.state_formats import _state_format
 from mpfunc.state_formats._state_format import QState
@@ -68,10 +76,6 @@ __all__ = [
 Impl = Literal["auto", "fused", "foreach", "reference", "xla"]
 IMPLS: tuple[str, ...] = typing.get_args(Impl)
 
-# One foreach call on an eager device touches at most this many elements, so the
-# temporaries it allocates (e.g. Adam's denominator) stay below ~64 MiB in fp32.
-FOREACH_CHUNK_NUMEL = 1 << 24
-
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -85,11 +89,6 @@ def _fused_devices() -> tuple[str, ...]:
 
 
 _FUSED_DEVICES = _fused_devices()
-
-
-def is_lazy(device: torch.device) -> bool:
-    """True for devices that trace graphs (XLA), where every op becomes a graph node."""
-    return device.type in ("xla", "lazy")
 
 
 def fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -142,62 +141,6 @@ def _same_layout(tensors: Sequence[torch.Tensor | None]) -> bool:
     assert first is not None
     stride = first.stride()
     return _dense(first) and all(t is None or t.stride() == stride for t in tensors[1:])
-
-
-def group_indices(
-    keys: Sequence[tuple[object, ...] | None],
-) -> dict[tuple[object, ...], list[int]]:
-    """Groups positions by key, in first-seen order; ``None`` keys are left out."""
-    groups: dict[tuple[object, ...], list[int]] = {}
-    for i, key in enumerate(keys):
-        if key is not None:
-            groups.setdefault(key, []).append(i)
-    return groups
-
-
-def chunks(
-    idx: list[int],
-    tensors: Sequence[torch.Tensor | None],
-    device: torch.device,
-    limit: int | None = None,
-) -> Iterator[list[int]]:
-    """Splits ``idx`` into runs of at most ``FOREACH_CHUNK_NUMEL`` elements (one run on lazy
-    devices). A single tensor larger than the limit forms a run of its own."""
-    if is_lazy(device):
-        yield idx
-        return
-    limit = FOREACH_CHUNK_NUMEL if limit is None else limit
-    run: list[int] = []
-    total = 0
-    for i in idx:
-        t = tensors[i]
-        n = t.numel() if t is not None else 0
-        if run and total + n > limit:
-            yield run
-            run, total = [], 0
-        run.append(i)
-        total += n
-    if run:
-        yield run
-
-
-def pick(seq: Sequence[Any], idx: Sequence[int]) -> list[Any]:
-    return [seq[i] for i in idx]
-
-
-def fresh_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A detached copy of ``t`` in ``dtype`` and ``t``'s layout, in a buffer of its own on
-    every device.
-
-    On XLA, ``copy_`` and ``.to(copy=True)`` of an unchanged dtype leave the copy holding
-    the source's device data; the first in-place write of either then donates that
-    buffer, and reading the other fails ("Trying to access XLA data ... while an async
-    operation is in flight"). ``clone`` and a dtype conversion trace a real node.
-    """
-    t = t.detach()
-    if t.dtype == dtype:
-        return t.clone(memory_format=torch.preserve_format)
-    return t.to(dtype=dtype, copy=True)
 
 
 def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -67,6 +67,8 @@ from typing import Any, NamedTuple, NoReturn, Optional, Union
 
 import torch
 
+from mpfunc.strategies import _strategy
+
 __all__ = ["adam_xla_", "clear_cache", "lion_xla_", "sgd_xla_"]
 
 LR = Union[float, torch.Tensor]
@@ -260,7 +262,6 @@ def _by_tensor_id(state: Sequence[torch.Tensor]) -> list[int]:
 
 def _strategy_of(master: object) -> str:
     """The master strategy of a leaf: ``"fp32"`` for a tensor (or anything not a unit)."""
-    from mpfunc.strategies import _strategy  # (_strategy imports the planner, which imports us)
 
     s = _strategy.by_unit(master)
     return "fp32" if s is None else s.name

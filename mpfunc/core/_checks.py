@@ -24,7 +24,6 @@ from typing import Any, NamedTuple, NoReturn, Union
 import torch
 from optree import PyTreeSpec
 
-from mpfunc.backends import _native
 from mpfunc.core import _dtensor, _tree
 from mpfunc.core._compile import compiling
 
@@ -889,6 +888,22 @@ def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int
 # most of their cost, so a key is as dear as the checks and XLA trees are always checked
 # in full (measured: 6-7 ms with the memo against 4-5 ms without for a seed-sized step).
 
+
+def _no_packed_keys() -> Any:
+    return None
+
+
+# What returns the C++ packer of leaf keys (``meta_key``), or ``None`` while there is none:
+# the native build's ``key_function``. That module sits above the checks, so it registers
+# itself here when imported (``use_packed_keys``); until then keys are built in Python.
+_packed_keys: list[Callable[[], Any]] = [_no_packed_keys]
+
+
+def use_packed_keys(source: Callable[[], Any]) -> None:
+    """Makes ``source()`` (the native module's ``key_function``) the packer of leaf keys."""
+    _packed_keys[0] = source
+
+
 _MEMO_SIZE = 32
 _memo: OrderedDict[Hashable, None] = OrderedDict()
 _memo_lock = threading.Lock()
@@ -940,7 +955,7 @@ def _dense_key(leaves: list[Any]) -> Hashable | None:
     # first trace, loaded at the next step: a recompile).
     if compiling() or _func_transform_active():
         return None
-    if not _enabled[0] or _native.key_function() is None or type(leaves) is not list:
+    if not _enabled[0] or _packed_keys[0]() is None or type(leaves) is not list:
         return None
     part = leaf_keys(leaves)
     if part is None or not _memoizable_part(part):
@@ -1028,7 +1043,7 @@ def leaf_keys(leaves: Sequence[Any]) -> tuple[Any, ...] | bytes | None:
     torch.compile (dynamo cannot read addresses, and re-traces, so re-checks, on change)."""
     if compiling():
         return None
-    native = _native.key_function()
+    native = _packed_keys[0]()
     if native is not None and type(leaves) is list:
         # The same facts packed in C++ (mpfunc/backends/csrc, ``meta_key``), ~20x cheaper; never
         # equal to a Python key, so the two never mix.

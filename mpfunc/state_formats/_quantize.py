@@ -67,7 +67,7 @@ from typing import NamedTuple
 
 import torch
 
-from mpfunc.backends import _plan
+from mpfunc.core import _tensors
 
 __all__ = [
     "BLOCK",
@@ -407,7 +407,7 @@ def _batched(qs: Sequence[QState], batch: bool | None) -> bool:
         return False
     first = qs[0].codes
     if batch is None:
-        batch = len(qs) > 1 and _plan.is_lazy(first.device)
+        batch = len(qs) > 1 and _tensors.is_lazy(first.device)
     return batch and all(
         q.codes.dtype == first.dtype and q.codes.device == first.device for q in qs
     )

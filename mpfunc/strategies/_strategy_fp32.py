@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from mpfunc.backends import _plan
-from mpfunc.strategies._strategy import Strategy
+from mpfunc.core import _tensors
+from mpfunc.strategies._base import Strategy
 
 __all__ = ["STRATEGY"]
 
@@ -21,7 +21,7 @@ def _why_not(p: torch.Tensor) -> str | None:
 
 
 def _make(p: torch.Tensor, seed: int, index: int) -> torch.Tensor:
-    return _plan.fresh_copy(p, torch.float64 if p.dtype == torch.float64 else torch.float32)
+    return _tensors.fresh_copy(p, torch.float64 if p.dtype == torch.float64 else torch.float32)
 
 
 def _load(masters: list[Any]) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc.parallel import _sharding
-from mpfunc.strategies._strategy import Strategy, buffer_problem
+from mpfunc.strategies._base import Strategy, buffer_problem
 
 __all__ = ["STRATEGY", "KahanMaster"]
 

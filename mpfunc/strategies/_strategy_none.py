@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.strategies._strategy import Strategy
+from mpfunc.strategies._base import Strategy
 
 __all__ = ["STRATEGY", "RoundedMaster"]
 

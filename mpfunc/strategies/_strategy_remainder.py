@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.backends import _plan
+from mpfunc.core import _tensors
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder
-from mpfunc.strategies._strategy import Strategy, buffer_problem
+from mpfunc.strategies._base import Strategy, buffer_problem
 
 __all__ = ["STRATEGY", "RemainderMaster"]
 
@@ -47,7 +47,7 @@ def _make(p: torch.Tensor, seed: int, index: int) -> RemainderMaster:
 def _load(units: list[Any]) -> list[torch.Tensor]:
     if not units:
         return []
-    if _plan.is_lazy(units[0].param.device):
+    if _tensors.is_lazy(units[0].param.device):
         return _remainder._call_xla("join", [t for u in units for t in u], 2)
     return [_remainder._join_eager(u.param, u.remainder) for u in units]
 
@@ -55,7 +55,7 @@ def _load(units: list[Any]) -> list[torch.Tensor]:
 def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | None) -> None:
     if not units:
         return
-    if _plan.is_lazy(units[0].param.device):
+    if _tensors.is_lazy(units[0].param.device):
         outs = _remainder._call_xla("split", values, 1)
         params, rems = outs[0::2], outs[1::2]
         if skip is not None:

@@ -24,9 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.backends import _plan
-from mpfunc.core import _rng
-from mpfunc.strategies._strategy import Strategy, buffer_problem
+from mpfunc.core import _rng, _tensors
+from mpfunc.strategies._base import Strategy, buffer_problem
 
 __all__ = ["STRATEGY", "StochasticMaster", "round_stochastic"]
 
@@ -99,7 +98,7 @@ def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | No
     if not units:
         return
     noise = _rng.bits_list([u.key for u in units], [u.param.shape for u in units])
-    if _plan.is_lazy(units[0].param.device):
+    if _tensors.is_lazy(units[0].param.device):
         rounded = _xla_round(values, noise)
     else:
         rounded = [round_stochastic(v.contiguous(), n) for v, n in zip(values, noise)]

@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc.backends import _plan
-from mpfunc.core import _checks, _dtensor, _gc, _tree
+from mpfunc.core import _checks, _dtensor, _gc, _tensors, _tree
 from mpfunc.core._checks import Like, Side
 from mpfunc.parallel import _sharding
 from mpfunc.transforms._init_master import check_params, master_dtype_for
@@ -75,8 +74,8 @@ def _add_(acc: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     keys: list[tuple[object, ...] | None] = [
         (a.device, a.dtype, g.dtype) for a, g in zip(acc, grads)
     ]
-    for idx in _plan.group_indices(keys).values():
-        torch._foreach_add_(_plan.pick(acc, idx), _plan.pick(grads, idx))
+    for idx in _tensors.group_indices(keys).values():
+        torch._foreach_add_(_tensors.pick(acc, idx), _tensors.pick(grads, idx))
 
 
 @_gc.without_gc

@@ -7,8 +7,7 @@ from typing import Any, Union
 
 import torch
 
-from mpfunc.backends import _plan
-from mpfunc.core import _checks, _dtensor, _gc, _tree
+from mpfunc.core import _checks, _dtensor, _gc, _tensors, _tree
 
 __all__ = ["clip_by_global_norm", "clip_by_global_norm_"]
 
@@ -50,7 +49,7 @@ def _norm_and_coef(
     keys: list[tuple[object, ...] | None] = [
         None if g is None else (g.device, g.dtype, _dtensor.sharding_key(g)) for g in leaves
     ]
-    groups = _plan.group_indices(keys)
+    groups = _tensors.group_indices(keys)
     norms: list[torch.Tensor] = []
     for (_, _, sharded), idx in groups.items():
         group_norms = torch._foreach_norm([leaves[i] for i in idx], 2.0)

@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from mpfunc.backends import _plan
-from mpfunc.core import _checks, _dtensor, _gc
+from mpfunc.core import _checks, _dtensor, _gc, _tensors
 
 __all__ = ["all_finite"]
 
@@ -48,10 +47,10 @@ def all_finite(tree: Any) -> torch.Tensor:
         for t in leaves
     ]
     flags: list[torch.Tensor] = []
-    for (device, _, _), idx in _plan.group_indices(keys).items():
+    for (device, _, _), idx in _tensors.group_indices(keys).items():
         assert isinstance(device, torch.device)
         group = [leaves[i] for i in idx]
-        if _plan.is_lazy(device):
+        if _tensors.is_lazy(device):
             # XLA's max reduction does not propagate NaN, so the inf-norm would miss
             # one; isfinite(...).all() fuses into the step's graph instead.
             flags.append(torch.stack([torch.isfinite(t).all() for t in group]).all())

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mpfunc.backends import _plan
-from mpfunc.core import _checks, _dtensor, _gc, _tree
+from mpfunc.core import _checks, _dtensor, _gc, _tensors, _tree
 from mpfunc.core._checks import Like
 from mpfunc.transforms import _loss_scale
 from mpfunc.transforms._init_master import master_dtype_for
@@ -44,9 +44,9 @@ def _unscale_(tensors: list[torch.Tensor], value: torch.Tensor | None) -> None:
         return
     tensors = _dtensor.locals_(tensors)
     keys: list[tuple[object, ...] | None] = [(t.device,) for t in tensors]
-    for (device,), idx in _plan.group_indices(keys).items():
+    for (device,), idx in _tensors.group_indices(keys).items():
         assert isinstance(device, torch.device)
-        torch._foreach_div_(_plan.pick(tensors, idx), value.to(device, non_blocking=True))
+        torch._foreach_div_(_tensors.pick(tensors, idx), value.to(device, non_blocking=True))
 
 
 @_gc.without_gc
@@ -79,7 +79,7 @@ def grads_to_fp32(grads: Any, dtype: torch.dtype | None = None, *, scale: ScaleA
     side, spec = _check_grads(fn, grads)
     with torch.no_grad():
         out = [
-            None if g is None else _plan.fresh_copy(g, master_dtype_for(g, dtype))
+            None if g is None else _tensors.fresh_copy(g, master_dtype_for(g, dtype))
             for g in side.leaves
         ]
         _unscale_([t for t in out if t is not None], divisor)

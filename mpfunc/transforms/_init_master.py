@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from mpfunc.backends._plan import fresh_copy
 from mpfunc.core import _checks, _gc, _tree
 from mpfunc.core._checks import Side
+from mpfunc.core._tensors import fresh_copy
 from mpfunc.strategies import _strategy
 
 __all__ = ["check_params", "init_master", "master_dtype_for"]

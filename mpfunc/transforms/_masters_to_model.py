@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mpfunc.backends import _plan
-from mpfunc.core import _checks, _gc, _tree
+from mpfunc.core import _checks, _gc, _tensors, _tree
 from mpfunc.core._checks import Like, Side
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _strategy
@@ -97,7 +97,7 @@ def masters_to_model(masters: Any, params: Any) -> Any:
     with torch.no_grad():
         # Each new param has its param's XLA SPMD sharding, not its master's (ZeRO-1).
         out = [
-            q if t is None else _sharding.like_(_plan.fresh_copy(t, q.dtype), q)
+            q if t is None else _sharding.like_(_tensors.fresh_copy(t, q.dtype), q)
             for t, q in zip(m.leaves, p.leaves)
         ]
     return _tree.unflatten(spec, out)
