@@ -54,7 +54,7 @@ def test_version_has_one_source() -> None:
     assert "version" not in PROJECT.get("dynamic", [])
     assert importlib.metadata.version("mpfunc") == PROJECT["version"]
     assert mpfunc.__version__ == PROJECT["version"]
-    for f in sorted((REPO / "mpfunc").glob("*.py")):
+    for f in sorted((REPO / "mpfunc").rglob("*.py")):
         assert f'"{PROJECT["version"]}"' not in f.read_text(), f"{f.name} restates the version"
 
 
