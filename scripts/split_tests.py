@@ -119,7 +119,11 @@ def defined(node: ast.stmt) -> list[str]:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return [node.name]
     if isinstance(node, ast.Assign):
-        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+        out = []
+        for t in node.targets:
+            elts = t.elts if isinstance(t, ast.Tuple) else [t]
+            out += [e.id for e in elts if isinstance(e, ast.Name)]
+        return out
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
         return [node.target.id]
     return []
@@ -171,7 +175,8 @@ def split(stem: str, plan: Split) -> None:
             first -= 1
         return "".join(lines[first - 1 : node.end_lineno])
 
-    imports = [text(n) for n in body if is_import(n)]
+    imports = [text(n) for n in body if is_import(n) and not defined(n) == ["pytestmark"]]
+    marks = [text(n) for n in body if defined(n) == ["pytestmark"]]
     helpers = {name: n for n in body if not is_import(n) and not is_test(n) for name in defined(n)}
     tests_by_target: dict[str, list[ast.stmt]] = {}
     for n in body:
@@ -223,7 +228,7 @@ def split(stem: str, plan: Split) -> None:
         support = TESTS / "support" / f"{stem.removeprefix('test_')}.py"
         parts = [
             f'"""Helpers shared by the tests split out of tests/{stem}.py."""\n\n',
-            "".join(i for i in imports if not i.startswith("pytestmark")),
+            "".join(imports),
             "\n\n",
             "\n\n".join(text(n) for n in ordered_helpers if set(defined(n)) & shared),
             "\n",
@@ -237,12 +242,13 @@ def split(stem: str, plan: Split) -> None:
         use_shared = sorted(needs[target] & shared)
         chunk = []
         if use_shared:
-            mod = f"tests.support.{stem.removeprefix('test_')}"
+            mod = f"support.{stem.removeprefix('test_')}"
             chunk.append(f"from {mod} import {', '.join(use_shared)}\n")
         pieces = [text(n) for n in sorted([*mine, *tests], key=lambda n: n.lineno)]
         assert not out.exists(), f"{target}: exists (a target is always a new file)"
         doc = docs[target]
-        new = f'"""{doc}"""\n\n' + "".join(imports) + "".join(chunk) + "\n\n" + "\n\n".join(pieces) + "\n"
+        head = "".join(imports) + "".join(chunk) + "\n" + "".join(marks)
+        new = f'"""{doc}"""\n\n' + head + "\n\n" + "\n\n".join(pieces) + "\n"
         out.write_text(new)
         subprocess.run(["git", "add", str(out)], cwd=ROOT, check=True)
     subprocess.run(["git", "rm", "-q", str(path)], cwd=ROOT, check=True)
