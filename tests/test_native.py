@@ -154,7 +154,7 @@ def make_case(
 def round_params(c: Case) -> None:
     """The params hold their masters' rounding, as every step leaves them: the kernel
     reads them and refreshes a master whose param was written behind its back
-    (test_user_edge.py), which the three-call reference path does not. A test that
+    (test_param_writes.py), which the three-call reference path does not. A test that
     edits masters after make_case calls this."""
     for m, o in zip(c.masters, c.params_out or ()):
         o.copy_(m)

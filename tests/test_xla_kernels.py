@@ -786,7 +786,7 @@ def test_group_model_and_scale(xla_device: torch.device, name: str) -> None:
     state_ref = WIRED[name]("foreach").init(ref)
     state = WIRED[name]("xla").init(mine)
     # The model params hold their masters' rounding, as every step leaves them (a param
-    # that does not refreshes its master first: test_user_edge.py).
+    # that does not refreshes its master first: test_param_writes.py).
     low = {k: v.to(torch.bfloat16) for k, v in mine.items()}
     scale = torch.tensor(256.0, device=dev)
     for t, skipped in enumerate([False, True, False]):

@@ -1,6 +1,6 @@
 """Bad inputs to the training-loop pieces raise ``TypeError``/``ValueError`` and modify nothing.
 
-The style of ``test_errors.py``: one table of rows (a callable that builds the call with
+The style of ``test_checks_table.py``: one table of rows (a callable that builds the call with
 fresh tensors, the exception type, a regex the message must match). Each message must
 name the function, the dotted pytree path where a leaf is at fault, what was expected
 and what arrived. Every row also checks that each input tensor (grads, accumulators,
