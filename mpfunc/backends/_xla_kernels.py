@@ -481,13 +481,17 @@ def _explain(
         for name, seq in moments:
             t = seq[i]
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (
-                p.shape, mdtype, p.device,
-            ):  # fmt: skip
+                p.shape,
+                mdtype,
+                p.device,
+            ):
                 where(name, i, f"{short(mdtype)} of shape {tuple(p.shape)} on {p.device}", desc(t))
         s = steps[i]
         if not isinstance(s, torch.Tensor) or (s.shape, s.dtype, s.device) != (
-            _SCALAR, torch.float32, p.device,
-        ):  # fmt: skip
+            _SCALAR,
+            torch.float32,
+            p.device,
+        ):
             where("steps", i, f"a 0-d float32 step count on {p.device}", desc(s))
         if model_params is not None:
             low = model_params[i]
@@ -1096,12 +1100,18 @@ def adam_xla_(
     if not params:
         return
     h = _AdamHyper(
-        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-        bool(amsgrad), bool(maximize),
-    )  # fmt: skip
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(decoupled),
+        bool(amsgrad),
+        bool(maximize),
+    )
     moments: list[tuple[str, Sequence[Optional[torch.Tensor]]]] = [
-        ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-    ]  # fmt: skip
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ]
     if h.amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError(

@@ -120,8 +120,9 @@ def step_begins(fn: str, faces: Sequence[Any], grads: Sequence[Any]) -> tuple[in
     last ``PENDING_STEPS`` steps left in it. Returns what ``step_ends`` needs (``None``
     off XLA)."""
     global _warned
-    i = next((i for i, (f, g) in enumerate(zip(faces, grads)) if f is not None and g is not None),
-             None)  # fmt: skip
+    i = next(
+        (i for i, (f, g) in enumerate(zip(faces, grads)) if f is not None and g is not None), None
+    )
     if i is None or faces[i].device.type != "xla" or compiling():
         return None
     xlac = _xlac()

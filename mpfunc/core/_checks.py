@@ -324,8 +324,9 @@ class Side(NamedTuple):
     def where_present(self, other: Sequence[Any]) -> Side:
         """These leaves where ``other`` holds one, ``None`` elsewhere (positions kept, so
         paths stay right): the tensors a call writes when ``other`` says which."""
-        return self._replace(leaves=[x if y is not None else None
-                                     for x, y in zip(self.leaves, other)])  # fmt: skip
+        return self._replace(
+            leaves=[x if y is not None else None for x, y in zip(self.leaves, other)]
+        )
 
     def path(self, i: int) -> str:
         # One walk of the tree, on the error path only: linear in the number of leaves.
@@ -365,12 +366,15 @@ def check_not_differentiated(fn: str, side: Side, of: Callable[[Any], Any] | Non
     for i, t in enumerate(side.leaves if of is None else map(of, side.leaves)):
         if t is not None and tracked(t):
             fail(
-                TypeError, fn, side.path(i), "a tensor that no torch.func transform tracks",
+                TypeError,
+                fn,
+                side.path(i),
+                "a tensor that no torch.func transform tracks",
                 "a tensor being differentiated by torch.func.grad/vjp/jacrev",
                 "mpfunc's transforms are not differentiable (their results are detached, so "
                 "the gradient through them would be all zeros): differentiate the loss with "
                 "respect to the model's params, and call mpfunc outside the transform",
-            )  # fmt: skip
+            )
 
 
 def check_dense(fn: str, side: Side) -> None:
@@ -491,9 +495,13 @@ def _explain_leaves(fn: str, side: Side) -> NoReturn:
             fail(TypeError, fn, side.path(i), "a tensor or None leaf", describe(leaf))
         if leaf.layout is not torch.strided:
             fail(
-                TypeError, fn, side.path(i), "a dense (strided) tensor", describe(leaf),
+                TypeError,
+                fn,
+                side.path(i),
+                "a dense (strided) tensor",
+                describe(leaf),
                 "Sparse grads (nn.Embedding(sparse=True)) need .to_dense() first",
-            )  # fmt: skip
+            )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -555,8 +563,13 @@ def _check_sharding(fn: str, ref: Side, other: Side, like: Like) -> None:
         if isinstance(r, cls) or isinstance(o, cls):  # a plain pair needs no more reads
             expected = _dtensor.same_sharding(r, o)
             if expected is not None:
-                fail(ValueError, fn, other.path(i), f"{expected} ({like.role} sharding)",
-                     _dtensor.describe_sharding(o))  # fmt: skip
+                fail(
+                    ValueError,
+                    fn,
+                    other.path(i),
+                    f"{expected} ({like.role} sharding)",
+                    _dtensor.describe_sharding(o),
+                )
 
 
 def _explain_pairs(fn: str, ref: Side, other: Side, like: Like) -> NoReturn:
@@ -575,23 +588,34 @@ def _explain_pairs(fn: str, ref: Side, other: Side, like: Like) -> NoReturn:
             fail(TypeError, fn, other.path(i), "a dense (strided) tensor", describe(o))
         if like.dtypes is None and o.dtype != r.dtype:
             fail(
-                TypeError, fn, other.path(i), f"{r.dtype} ({like.role} dtype)", describe(o),
+                TypeError,
+                fn,
+                other.path(i),
+                f"{r.dtype} ({like.role} dtype)",
+                describe(o),
                 like.hint,
-            )  # fmt: skip
+            )
         if like.dtypes is not None and o.dtype not in like.dtypes:
             fail(TypeError, fn, other.path(i), like.what, describe(o), like.hint)
         if like.scalar and o.shape != ():
             fail(ValueError, fn, other.path(i), f"a 0-d {like.what}", describe(o), like.hint)
         if not like.scalar and o.shape != r.shape:
             fail(
-                ValueError, fn, other.path(i), f"shape {tuple(r.shape)} ({like.role})",
-                f"shape {tuple(o.shape)}", like.hint,
-            )  # fmt: skip
+                ValueError,
+                fn,
+                other.path(i),
+                f"shape {tuple(r.shape)} ({like.role})",
+                f"shape {tuple(o.shape)}",
+                like.hint,
+            )
         if o.device != r.device:
             fail(
-                ValueError, fn, other.path(i), f"device {r.device} ({like.role})",
+                ValueError,
+                fn,
+                other.path(i),
+                f"device {r.device} ({like.role})",
                 f"device {o.device}",
-            )  # fmt: skip
+            )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -648,10 +672,13 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
             # first answer, read here without a call per tensor.)
             if not (t.is_contiguous() and not t.is_xla and not t.is_meta) and _overlaps_itself(t):
                 fail(
-                    ValueError, fn, side.path(i),
-                    "a tensor whose elements do not share memory", f"{describe(t)} with "
-                    f"strides {t.stride()}", "Pass .clone() of an expanded tensor",
-                )  # fmt: skip
+                    ValueError,
+                    fn,
+                    side.path(i),
+                    "a tensor whose elements do not share memory",
+                    f"{describe(t)} with strides {t.stride()}",
+                    "Pass .clone() of an expanded tensor",
+                )
             if in_place and (t.is_neg() or t.is_conj() or (not inference and t.is_inference())):
                 _not_in_place(fn, side.path(i), t)
 
@@ -660,16 +687,22 @@ def _not_in_place(fn: str, path: str, t: torch.Tensor) -> NoReturn:
     if t.is_neg() or t.is_conj():
         kind, held = ("negative", "negated") if t.is_neg() else ("conjugate", "conjugated")
         fail(
-            ValueError, fn, path, "a tensor that can be updated in place",
+            ValueError,
+            fn,
+            path,
+            "a tensor that can be updated in place",
             f"a {kind} view ({describe(t)}), whose memory holds the {held} values",
             "Pass a tensor that holds its own values (.clone() of the view)",
-        )  # fmt: skip
+        )
     fail(
-        ValueError, fn, path, "a tensor that can be updated in place",
+        ValueError,
+        fn,
+        path,
+        "a tensor that can be updated in place",
         f"an inference tensor outside torch.inference_mode() ({describe(t)})",
         "Make it outside inference mode (.clone() it there), or run this call inside "
         "torch.inference_mode()",
-    )  # fmt: skip
+    )
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -865,11 +898,14 @@ def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int
     path_b = sides[b[0]].path(b[1])
     t = sides[b[0]].leaves[b[1]]
     fail(
-        ValueError, fn, path_b, f"a tensor that shares no memory with {path_a!r}",
+        ValueError,
+        fn,
+        path_b,
+        f"a tensor that shares no memory with {path_a!r}",
         f"{describe(t)} aliasing it",
         "One tensor under two names would be trained twice and one update lost: list each "
         "parameter once (model.named_parameters() does), or untie the weights",
-    )  # fmt: skip
+    )
 
 
 # --- a memo of passed checks ----------------------------------------------------------------
@@ -1030,11 +1066,12 @@ def memo_off() -> Iterator[None]:
 
 
 def _fast_keys(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple([
-        None if t is None
-        else (type(t), t.dtype, t.shape, t.device, t.stride(), t.data_ptr())
-        for t in leaves
-    ])  # fmt: skip
+    return tuple(
+        [
+            None if t is None else (type(t), t.dtype, t.shape, t.device, t.stride(), t.data_ptr())
+            for t in leaves
+        ]
+    )
 
 
 def leaf_keys(leaves: Sequence[Any]) -> tuple[Any, ...] | bytes | None:

@@ -116,8 +116,7 @@ def local_group(group: Any) -> Any:
     leaves, spec = _tree.flatten(group)
     if not any(isinstance(t, cls) for t in leaves):
         return group
-    return _tree.unflatten(spec, [t._local_tensor if isinstance(t, cls) else t
-                                  for t in leaves])  # fmt: skip
+    return _tree.unflatten(spec, [t._local_tensor if isinstance(t, cls) else t for t in leaves])
 
 
 def sharding_key(t: Any) -> object:

@@ -58,9 +58,11 @@ class AdamHyper(NamedTuple):
 
 def _fields(h: AdamHyper) -> Mapping[str, str]:
     return _plan.fields_from(
-        step="step", exp_avg="moment", exp_avg_sq="square",
+        step="step",
+        exp_avg="moment",
+        exp_avg_sq="square",
         max_exp_avg_sq="square" if h.amsgrad else None,
-    )  # fmt: skip
+    )
 
 
 def _ln(beta: float) -> float:
@@ -185,10 +187,22 @@ def _fused(group: Group, h: AdamHyper) -> None:
         torch._foreach_add_(s.step, [1 - found_inf] * len(s.step))
     kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     kernel(
-        group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq or [], s.step,
-        lr=group.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
-        amsgrad=h.amsgrad, maximize=h.maximize, grad_scale=None, found_inf=found_inf,
-    )  # fmt: skip
+        group.params,
+        group.grads,
+        s.exp_avg,
+        s.exp_avg_sq,
+        s.max_exp_avg_sq or [],
+        s.step,
+        lr=group.lr,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        weight_decay=h.weight_decay,
+        eps=h.eps,
+        amsgrad=h.amsgrad,
+        maximize=h.maximize,
+        grad_scale=None,
+        found_inf=found_inf,
+    )
 
 
 def _xla(group: Group, h: AdamHyper) -> None:
@@ -199,18 +213,35 @@ def _xla(group: Group, h: AdamHyper) -> None:
 
     s: AdamState = group.state
     _xla_kernels.adam_xla_(
-        group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step,
-        lr=group.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-        decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize, found_inf=group.skip,
-        grad_scale=group.scale, model_params=group.model, salts=group.salts,
-    )  # fmt: skip
+        group.params,
+        group.grads,
+        s.exp_avg,
+        s.exp_avg_sq,
+        s.max_exp_avg_sq,
+        s.step,
+        lr=group.lr,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        eps=h.eps,
+        weight_decay=h.weight_decay,
+        decoupled=h.decoupled,
+        amsgrad=h.amsgrad,
+        maximize=h.maximize,
+        found_inf=group.skip,
+        grad_scale=group.scale,
+        model_params=group.model,
+        salts=group.salts,
+    )
 
 
 def _rule(name: str) -> Rule:
     kernels = {
-        "reference": _reference, "foreach": _foreach, "fused": _fused,
-        "native": _native.adam_kernel, "xla": _xla,
-    }  # fmt: skip
+        "reference": _reference,
+        "foreach": _foreach,
+        "fused": _fused,
+        "native": _native.adam_kernel,
+        "xla": _xla,
+    }
     return Rule(name=name, state_type=AdamState, fields=_fields, kernels=kernels)
 
 

@@ -156,11 +156,13 @@ def from_torch_optim(torch_opt: torch.optim.Optimizer, params: Any) -> tuple[Any
             if id(p) not in found and p.is_floating_point():
                 name = f" ({names[k]!r})" if names else ""
                 _checks.fail(
-                    ValueError, fn, f"torch_opt.param_groups[{i}].params[{k}]{name}",
+                    ValueError,
+                    fn,
+                    f"torch_opt.param_groups[{i}].params[{k}]{name}",
                     "a leaf of params (torch.optim trains it)",
                     f"{_checks.describe(p)} that params does not hold",
                     "Pass every trained parameter, e.g. dict(model.named_parameters())",
-                )  # fmt: skip
+                )
     optimizers: Mapping[str, Optimizer] = {
         **{f"group{i}": o for i, o in enumerate(opts)},
         FROZEN: frozen(),

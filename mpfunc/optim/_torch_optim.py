@@ -79,9 +79,13 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
         for i, (m, g) in enumerate(zip(step.masters.leaves, step.grads.leaves)):
             if m is not None and g is not None and g.dtype != m.dtype:
                 _checks.fail(
-                    TypeError, where, step.grads.path(i), f"{m.dtype} (the master's dtype)",
-                    _checks.describe(g), "Cast grads with grads_to_fp32 first",
-                )  # fmt: skip
+                    TypeError,
+                    where,
+                    step.grads.path(i),
+                    f"{m.dtype} (the master's dtype)",
+                    _checks.describe(g),
+                    "Cast grads with grads_to_fp32 first",
+                )
         if step.skip is not None:
             raise TypeError(
                 f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "

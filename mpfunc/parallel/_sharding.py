@@ -201,9 +201,13 @@ def mark_sharding_(tree: Any, mesh: Any, axis: str | int, *, min_numel: int = MI
     for i, t in enumerate(leaves):
         if t is not None and not _on_xla(t):
             _checks.fail(
-                TypeError, fn, _tree.leaf_path(tree, i, "tree"), "a tensor on the XLA device",
-                _checks.describe(t), "Move the tree to torch_xla.device() first",
-            )  # fmt: skip
+                TypeError,
+                fn,
+                _tree.leaf_path(tree, i, "tree"),
+                "a tensor on the XLA device",
+                _checks.describe(t),
+                "Move the tree to torch_xla.device() first",
+            )
     if not active():
         raise RuntimeError(
             f"{fn}: SPMD is off; call torch_xla.runtime.use_spmd() before creating any XLA tensor"
@@ -263,9 +267,11 @@ def _check_resharding(
         held = xlac._get_xla_sharding_spec(t)
         if got[key] != held:
             _checks.fail(
-                ValueError, fn, _tree.leaf_path(tree, i, "tree"),
+                ValueError,
+                fn,
+                _tree.leaf_path(tree, i, "tree"),
                 f"a tensor without a sharding, or one sharded as this call shards it ({got[key]})",
                 f"a computed tensor already sharded as {held}",
                 "torch_xla cannot change the sharding of a tensor that holds data: leave it as "
                 "it is, or call torch_xla.distributed.spmd.clear_sharding(t) on it first",
-            )  # fmt: skip
+            )

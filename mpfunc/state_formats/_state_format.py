@@ -76,11 +76,13 @@ def zeros_list(
     scales = torch.zeros(0, dtype=_quantize.SCALE_DTYPE)
     blocks = _quantize.blocks
     return [
-        None if f is None or c is None
-        else QState(codes.new_zeros(f.shape), scales.new_zeros(blocks(f.numel()))) if f.is_cpu
+        None
+        if f is None or c is None
+        else QState(codes.new_zeros(f.shape), scales.new_zeros(blocks(f.numel())))
+        if f.is_cpu
         else zeros(kind, c, f, state_dtype)
         for f, c in zip(faces, computes)
-    ]  # fmt: skip
+    ]
 
 
 def problem(
@@ -99,15 +101,17 @@ def problem(
         device = like.device
         if c.dtype != want or c.shape != like.shape or c.device != device:
             return (
-                ValueError, f"codes {want} of shape {tuple(like.shape)} on {like.device}",
+                ValueError,
+                f"codes {want} of shape {tuple(like.shape)} on {like.device}",
                 f"{c.dtype} of shape {tuple(c.shape)} on {c.device}",
-            )  # fmt: skip
+            )
         n = _quantize.blocks(math.prod(like.shape))
         if s.dtype != _quantize.SCALE_DTYPE or s.shape != (n,) or s.device != device:
             return (
-                ValueError, f"scales {_quantize.SCALE_DTYPE} of shape ({n},) on {like.device}",
+                ValueError,
+                f"scales {_quantize.SCALE_DTYPE} of shape ({n},) on {like.device}",
                 f"{s.dtype} of shape {tuple(s.shape)} on {s.device}",
-            )  # fmt: skip
+            )
         if not c.is_contiguous() or not s.is_contiguous():
             return ValueError, "contiguous codes and scales (as opt.init makes them)", "strided"
         return None
@@ -132,13 +136,15 @@ def check_quantizable(fn: str, side: _checks.Side, faces: list[Any]) -> None:
     for i, f in enumerate(faces):
         if f is not None and f.numel() < _quantize.BLOCK:
             _checks.fail(
-                ValueError, fn, side.path(i),
+                ValueError,
+                fn,
+                side.path(i),
                 f"a leaf of at least {_quantize.BLOCK} elements for state_dtype=torch.uint8",
                 f"{f.numel()} elements",
                 "Keep small leaves in fp32 state: mpfunc.partition({'big': mpfunc.adamw(..., "
                 "state_dtype=torch.uint8), 'small': mpfunc.adamw(...)}, labels) with labels "
                 "from a function such as lambda path, p: 'big' if p.numel() >= 4096 else 'small'",
-            )  # fmt: skip
+            )
 
 
 def load(xs: list[Any], compute: torch.dtype) -> list[torch.Tensor]:

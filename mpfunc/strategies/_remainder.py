@@ -268,9 +268,13 @@ def _check_param_dtypes(fn: str, params: _checks.Side) -> None:
     for i, p in enumerate(params.leaves):
         if isinstance(p, torch.Tensor) and p.dtype != PARAM_DTYPE:
             _checks.fail(
-                TypeError, fn, params.path(i), "a torch.bfloat16 param", _checks.describe(p),
+                TypeError,
+                fn,
+                params.path(i),
+                "a torch.bfloat16 param",
+                _checks.describe(p),
                 unsupported_hint(p.dtype),
-            )  # fmt: skip
+            )
 
 
 _MASTER = _checks.Like("the param's", (MASTER_DTYPE,), "a torch.float32 master")

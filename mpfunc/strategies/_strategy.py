@@ -108,9 +108,15 @@ def resolve(fn: str, strategy: object, params: _checks.Side) -> list[Strategy | 
     names, spec = _tree.flatten(strategy)
     _, p_spec = _tree.flatten(params.tree)
     _checks.check_same_structure(
-        fn, "params", params.tree, p_spec, "strategy", strategy, spec,
+        fn,
+        "params",
+        params.tree,
+        p_spec,
+        "strategy",
+        strategy,
+        spec,
         "Give one strategy name per param, or a single name, or a function (path, param) -> name",
-    )  # fmt: skip
+    )
     side = _checks.Side("strategy", strategy, names)
     return [None if p is None else _name(fn, side.path(i), names[i]) for i, p in enumerate(leaves)]
 
@@ -123,9 +129,13 @@ def check_applies(fn: str, params: _checks.Side, kinds: Sequence[Strategy | None
         why = s.why_not(p)
         if why is not None:
             _checks.fail(
-                ValueError, fn, params.path(i), f"a param the {s.name!r} strategy applies to",
-                _checks.describe(p), why,
-            )  # fmt: skip
+                ValueError,
+                fn,
+                params.path(i),
+                f"a param the {s.name!r} strategy applies to",
+                _checks.describe(p),
+                why,
+            )
 
 
 _MASTER_DTYPES = (torch.float32, torch.float64)
@@ -159,21 +169,30 @@ def _explain(fn: str, side: _checks.Side) -> None:
             why = unit_problem(leaf)
             if why is not None:
                 _checks.fail(
-                    ValueError, fn, side.path(i), f"a {type(leaf).__name__} made by init_master",
+                    ValueError,
+                    fn,
+                    side.path(i),
+                    f"a {type(leaf).__name__} made by init_master",
                     why,
-                )  # fmt: skip
+                )
             continue
         if not isinstance(leaf, torch.Tensor):
-            _checks.fail(TypeError, fn, side.path(i), "a tensor or None leaf",
-                         _checks.describe(leaf))  # fmt: skip
+            _checks.fail(
+                TypeError, fn, side.path(i), "a tensor or None leaf", _checks.describe(leaf)
+            )
         if leaf.layout is not torch.strided:
-            _checks.fail(TypeError, fn, side.path(i), "a dense (strided) tensor",
-                         _checks.describe(leaf))  # fmt: skip
+            _checks.fail(
+                TypeError, fn, side.path(i), "a dense (strided) tensor", _checks.describe(leaf)
+            )
         if leaf.dtype not in _MASTER_DTYPES:
             _checks.fail(
-                TypeError, fn, side.path(i), "a float32 or float64 master", _checks.describe(leaf),
+                TypeError,
+                fn,
+                side.path(i),
+                "a float32 or float64 master",
+                _checks.describe(leaf),
                 "Masters come from init_master; grads go second",
-            )  # fmt: skip
+            )
 
 
 def unit_problem(leaf: Any) -> str | None:

@@ -37,6 +37,11 @@ def _check(master: Any) -> str | None:
 
 
 STRATEGY = Strategy(
-    name="fp32", unit=None, why_not=_why_not, make=_make, load=_load, store=_store,
+    name="fp32",
+    unit=None,
+    why_not=_why_not,
+    make=_make,
+    load=_load,
+    store=_store,
     check=_check,
-)  # fmt: skip
+)

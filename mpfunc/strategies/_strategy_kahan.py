@@ -70,6 +70,11 @@ def _check(u: Any) -> str | None:
 
 
 STRATEGY = Strategy(
-    name="kahan", unit=KahanMaster, why_not=_why_not, make=_make, load=_load, store=_store,
+    name="kahan",
+    unit=KahanMaster,
+    why_not=_why_not,
+    make=_make,
+    load=_load,
+    store=_store,
     check=_check,
-)  # fmt: skip
+)

@@ -49,6 +49,11 @@ def _check(u: Any) -> str | None:
 
 
 STRATEGY = Strategy(
-    name="none", unit=RoundedMaster, why_not=_why_not, make=_make, load=_load, store=_store,
+    name="none",
+    unit=RoundedMaster,
+    why_not=_why_not,
+    make=_make,
+    load=_load,
+    store=_store,
     check=_check,
-)  # fmt: skip
+)

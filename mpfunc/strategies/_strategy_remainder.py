@@ -83,6 +83,11 @@ def _check(u: Any) -> str | None:
 
 
 STRATEGY = Strategy(
-    name="remainder", unit=RemainderMaster, why_not=_why_not, make=_make, load=_load,
-    store=_store, check=_check,
-)  # fmt: skip
+    name="remainder",
+    unit=RemainderMaster,
+    why_not=_why_not,
+    make=_make,
+    load=_load,
+    store=_store,
+    check=_check,
+)

@@ -119,6 +119,11 @@ def _check(u: Any) -> str | None:
 
 
 STRATEGY = Strategy(
-    name="stochastic", unit=StochasticMaster, why_not=_why_not, make=_make, load=_load,
-    store=_store, check=_check,
-)  # fmt: skip
+    name="stochastic",
+    unit=StochasticMaster,
+    why_not=_why_not,
+    make=_make,
+    load=_load,
+    store=_store,
+    check=_check,
+)

@@ -14,8 +14,9 @@ from mpfunc.transforms._init_master import check_params, master_dtype_for
 __all__ = ["accumulate_grads", "accumulate_grads_", "init_grads"]
 
 _SAME_LAYOUT = torch.preserve_format  # grads pair with masters element by element
-_ACC = Like("the grad's", dtypes=_checks.MASTER_DTYPES, what="a float32 or float64 tensor",
-            spare=True)  # fmt: skip
+_ACC = Like(
+    "the grad's", dtypes=_checks.MASTER_DTYPES, what="a float32 or float64 tensor", spare=True
+)
 
 
 def init_grads(params: Any, dtype: torch.dtype | None = None) -> Any:

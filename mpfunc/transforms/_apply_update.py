@@ -32,14 +32,20 @@ __all__ = ["apply_update", "apply_update_"]
 
 # A grad may be None: that leaf is skipped, as torch.optim skips params without .grad.
 _GRADS = Like(
-    "the master's", dtypes=_checks.FLOAT_DTYPES, what="a floating-point grad", optional=True,
+    "the master's",
+    dtypes=_checks.FLOAT_DTYPES,
+    what="a floating-point grad",
+    optional=True,
     hint="Pass the grads of these masters' params",
     none_why="this leaf has no master: init_master gives none to non-floating params",
-)  # fmt: skip
+)
 _PARAMS = Like(
-    "the master's", dtypes=_checks.FLOAT_DTYPES, what="a floating-point param", spare=True,
+    "the master's",
+    dtypes=_checks.FLOAT_DTYPES,
+    what="a floating-point param",
+    spare=True,
     hint="params= takes the model's params, the tree init_master was given",
-)  # fmt: skip
+)
 
 
 def _check(
@@ -100,8 +106,12 @@ def _recall(
     if not _checks.memo_enabled():
         return None, [], None
     flat: list[tuple[list[Any], Any, Any]] = []
-    for tree, present in ((masters, True), (grads, True), (params, params is not None),
-                          (stats, stats is not None)):  # fmt: skip
+    for tree, present in (
+        (masters, True),
+        (grads, True),
+        (params, params is not None),
+        (stats, stats is not None),
+    ):
         if not present:
             flat.append(([], None, ()))
             continue
@@ -143,12 +153,29 @@ def _recalled(
     model = None
     if params is not None:
         p = _checks.Side("params", params, flat[2][0])
-        model = p if plain and full else p._replace(leaves=[
-            q if k is None and x is not None else None for x, q, k in zip(leaves, p.leaves, kinds)
-        ])  # fmt: skip
+        model = (
+            p
+            if plain and full
+            else p._replace(
+                leaves=[
+                    q if k is None and x is not None else None
+                    for x, q, k in zip(leaves, p.leaves, kinds)
+                ]
+            )
+        )
     stat_leaves = None if stats is None else _tree.flatten(stats, units=True)[0]
-    return Step(m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor,
-                stats=stat_leaves, memo=entry)  # fmt: skip
+    return Step(
+        m,
+        m_spec,
+        g,
+        skip,
+        faces=faces,
+        kinds=kinds,
+        model=model,
+        scale=divisor,
+        stats=stat_leaves,
+        memo=entry,
+    )
 
 
 def _check_all(
@@ -175,9 +202,13 @@ def _check_all(
         width = f.itemsize if k is None else 4
         if x.itemsize > width:
             _checks.fail(
-                TypeError, fn, g.path(i), f"a grad no wider than its {width * 8}-bit master",
-                _checks.describe(x), "Cast grads to the master's dtype",
-            )  # fmt: skip
+                TypeError,
+                fn,
+                g.path(i),
+                f"a grad no wider than its {width * 8}-bit master",
+                _checks.describe(x),
+                "Cast grads to the master's dtype",
+            )
     _check_some_grad(fn, m, g)
     model = None
     if params is not None:
@@ -187,14 +218,21 @@ def _check_all(
         for i, (x, q, k) in enumerate(zip(m.leaves, p.leaves, kinds)):
             if k is not None and q is not None and not _same_tensor(q, x.param):
                 _checks.fail(
-                    ValueError, fn, p.path(i), f"the param this {type(x).__name__} keeps",
-                    _checks.describe(q), "A master strategy writes its own param: pass the "
+                    ValueError,
+                    fn,
+                    p.path(i),
+                    f"the param this {type(x).__name__} keeps",
+                    _checks.describe(q),
+                    "A master strategy writes its own param: pass the "
                     "params init_master was given, or leave params=None",
-                )  # fmt: skip
+                )
         # Only the params of "fp32" masters are written here; the units write their own.
-        model = p._replace(leaves=[
-            q if k is None and x is not None else None for x, q, k in zip(m.leaves, p.leaves, kinds)
-        ])  # fmt: skip
+        model = p._replace(
+            leaves=[
+                q if k is None and x is not None else None
+                for x, q, k in zip(m.leaves, p.leaves, kinds)
+            ]
+        )
     divisor = _loss_scale.scale_value(fn, scale)
     stat_leaves = None
     if stats is not None:
@@ -203,14 +241,20 @@ def _check_all(
         for i, (x, st) in enumerate(zip(m.leaves, stat_leaves)):
             if (x is None) != (st is None) or not (st is None or isinstance(st, UpdateStats)):
                 side = _checks.Side("stats", stats, stat_leaves, units=True)
-                _checks.fail(TypeError, fn, side.path(i), "the UpdateStats of init_stats(masters)",
-                             _checks.describe(st))  # fmt: skip
+                _checks.fail(
+                    TypeError,
+                    fn,
+                    side.path(i),
+                    "the UpdateStats of init_stats(masters)",
+                    _checks.describe(st),
+                )
         _checks.check_storage(fn, _checks.Side("stats", stats, stat_leaves, units=True))
     sides = _plan.tensor_sides(m)
     _checks.check_writable(fn, sides if model is None else [*sides, model], in_place=in_place)
     _checks.check_no_alias(fn, written=sides if model is None else [*sides, model], read=[g])
-    return Step(m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor,
-                stats=stat_leaves)  # fmt: skip
+    return Step(
+        m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor, stats=stat_leaves
+    )
 
 
 def _check_some_grad(fn: str, masters: _checks.Side, grads: _checks.Side) -> None:
@@ -237,10 +281,13 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if compiling():
         return False
     return (
-        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-        and a.stride() == b.stride() and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata
         and a.storage_offset() == b.storage_offset()
-    )  # fmt: skip
+    )
 
 
 def _run(work: list[Work]) -> None:

@@ -17,8 +17,9 @@ __all__ = ["grads_to_fp32", "grads_to_fp32_"]
 
 _FLOATING = "a floating-point grad"
 _HINT = "Non-floating parameters have no master and take no grad; pass None there"
-_OUT = Like("the grad's", dtypes=_checks.MASTER_DTYPES, what="a float32 or float64 tensor",
-            spare=True)  # fmt: skip
+_OUT = Like(
+    "the grad's", dtypes=_checks.MASTER_DTYPES, what="a float32 or float64 tensor", spare=True
+)
 
 
 def _check_grads(fn: str, grads: Any) -> tuple[_checks.Side, Any]:

@@ -32,15 +32,23 @@ def check_params(fn: str, side: Side, dtype: torch.dtype | None) -> None:
             continue
         if p.is_complex():
             _checks.fail(
-                TypeError, fn, side.path(i), "a real tensor (complex parameters get no master)",
-                _checks.describe(p), "Train complex parameters with torch.optim, or hold them "
+                TypeError,
+                fn,
+                side.path(i),
+                "a real tensor (complex parameters get no master)",
+                _checks.describe(p),
+                "Train complex parameters with torch.optim, or hold them "
                 "as torch.view_as_real pairs",
-            )  # fmt: skip
+            )
         if dtype is not None and p.is_floating_point() and p.itemsize > dtype.itemsize:
             _checks.fail(
-                ValueError, fn, f"{side.path(i)}", f"a param no wider than the {dtype} master",
-                _checks.describe(p), "Leave dtype=None: masters are then never narrower",
-            )  # fmt: skip
+                ValueError,
+                fn,
+                f"{side.path(i)}",
+                f"a param no wider than the {dtype} master",
+                _checks.describe(p),
+                "Leave dtype=None: masters are then never narrower",
+            )
     # Only floating leaves get masters and are written back; int buffers may share memory.
     floating = [p if p is not None and p.is_floating_point() else None for p in side.leaves]
     _checks.check_no_alias(fn, written=[side._replace(leaves=floating)])
@@ -110,17 +118,20 @@ def init_master(
     side, spec = _checks.tensor_leaves(fn, "params", params)
     check_params(fn, side, dtype)
     trained = [
-        p if p is not None and p.is_floating_point()
-        and (not trainable_only or p.requires_grad) else None
+        p
+        if p is not None and p.is_floating_point() and (not trainable_only or p.requires_grad)
+        else None
         for p in side.leaves
-    ]  # fmt: skip
+    ]
     kinds = _strategy.resolve(fn, strategy, side._replace(leaves=trained))
     _strategy.check_applies(fn, side, kinds)
     with torch.no_grad():
         masters = [
-            None if s is None or p is None
-            else fresh_copy(p, master_dtype_for(p, dtype)) if s.unit is None
+            None
+            if s is None or p is None
+            else fresh_copy(p, master_dtype_for(p, dtype))
+            if s.unit is None
             else s.make(p, seed, i)
             for i, (p, s) in enumerate(zip(side.leaves, kinds))
-        ]  # fmt: skip
+        ]
     return _tree.unflatten(spec, masters)

@@ -14,8 +14,12 @@ from mpfunc.strategies import _strategy
 
 __all__ = ["masters_to_model", "masters_to_model_"]
 
-_PARAMS = Like("the master's", dtypes=_checks.FLOAT_DTYPES,
-               what="a floating-point parameter for this master", spare=True)  # fmt: skip
+_PARAMS = Like(
+    "the master's",
+    dtypes=_checks.FLOAT_DTYPES,
+    what="a floating-point parameter for this master",
+    spare=True,
+)
 
 
 def _sources(masters: list[Any], params: list[Any]) -> list[Any]:

@@ -65,8 +65,13 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         if callable(labels):
             # A master kept by a strategy is labelled by its param (shape, dtype, device).
             faces = [_strategy.face(m) for m in masters.leaves]
-            key = (spec, tuple(None if m is None else (m.shape, m.dtype, m.device, type(x))
-                               for m, x in zip(faces, masters.leaves)))  # fmt: skip
+            key = (
+                spec,
+                tuple(
+                    None if m is None else (m.shape, m.dtype, m.device, type(x))
+                    for m, x in zip(faces, masters.leaves)
+                ),
+            )
             if key in cache:
                 return cache[key]
             paths = _tree.leaf_paths(masters.tree, units=True)

@@ -36,8 +36,12 @@ _FIELDS: dict[str, str] = {
     "output": "output_dtype",
     "o": "output_dtype",
 }
-_CANONICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-              torch.float64: "float64"}  # fmt: skip
+_CANONICAL = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
 
 
 def _cast(tree: Any, dtype: torch.dtype) -> Any:
