@@ -23,15 +23,13 @@ per-leaf hyperparameters, checkpoints and data parallelism. Import only from
 import importlib.metadata as _metadata
 
 from mpfunc.backends._diagnostics import UpdateStats, init_stats
-from mpfunc.checkpoint._checkpoint import (
-    load,
-    load_,
+from mpfunc.checkpoint._file import load, load_, save
+from mpfunc.checkpoint._state_dict import (
     load_state_dict,
     load_state_dict_,
     masters_from_remainders,
     masters_state_dict,
     remainders_state_dict,
-    save,
     state_dict,
 )
 from mpfunc.core._optimizer import Optimizer

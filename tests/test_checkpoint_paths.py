@@ -105,7 +105,7 @@ _SEAL = b"mpfunc-checkpoint v1 crc32="
 
 def _reseal(data: bytearray) -> bytes:
     """``data`` (a file from ``save`` whose seal was cut off, comment length 0) with the
-    seal ``save`` writes: a forger can compute it (the format is in _checkpoint.py)."""
+    seal ``save`` writes: a forger can compute it (the format is in checkpoint/_file.py)."""
     assert data[-22:-18] == b"PK\x05\x06" and data[-2:] == b"\0\0"
     seal = _SEAL + b"%08x" % zlib.crc32(bytes(data))
     return bytes(data[:-2] + struct.pack("<H", len(seal)) + seal)
