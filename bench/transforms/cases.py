@@ -277,12 +277,12 @@ def _mixed_one_pass(pt: Point) -> Step:
 def _mixed_no_memo(pt: Point) -> Step:
     """As ``_mixed_one_pass`` with mpfunc's memo of passed checks off: every call checks and
     plans each leaf in full, as before the memo (the side-by-side "before")."""
-    from mpfunc.core import _checks
+    from mpfunc.core import _cache
 
     step = _mixed_one_pass(pt)
 
     def run() -> Any:
-        with _checks.memo_off():
+        with _cache.memo_off():
             return step()
 
     return run

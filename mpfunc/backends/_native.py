@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from mpfunc.core import _checks
+from mpfunc.core import _cache
 from mpfunc.strategies import _strategy
 
 if TYPE_CHECKING:
@@ -369,7 +369,7 @@ _cache_looked = False
 
 def key_function() -> Any:
     """The built module's ``meta_key`` (the memo key of a list of leaves, see
-    ``_checks.leaf_keys``), or ``None``. Never builds; but where this build is in the cache
+    ``_cache.leaf_keys``), or ``None``. Never builds; but where this build is in the cache
     already, loads it (once, ~0.1 s) the first time a key is asked for: keys made before
     the module loads (in Python) never equal keys made after (in C++), so a process whose
     first step loaded the module would check its second step in full again (3-4 s at
@@ -386,7 +386,7 @@ def key_function() -> Any:
 
 
 # The checks' memo keys use the packer (through the module's global: tests replace it).
-_checks.use_packed_keys(lambda: key_function())
+_cache.use_packed_keys(lambda: key_function())
 
 
 def available() -> bool:

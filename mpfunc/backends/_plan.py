@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from mpfunc.backends import _diagnostics, _native, _xla_kernels, _xla_watch
-from mpfunc.core import _checks, _dtensor, _gc, _tree
+from mpfunc.core import _cache, _checks, _dtensor, _gc, _tree
 from mpfunc.core._checks import LR, Like, LRArg, Side
 from mpfunc.core._compile import compiling
 from mpfunc.core._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
@@ -557,7 +557,7 @@ def _plan_elementwise(
     if step.memo is not None:
         # The key: each field's spec, the type of each leaf (a unit's class: the spec
         # holds none), and the metadata of every tensor, units opened.
-        parts = [_checks.leaf_keys(_opened(f)) for f in fields.values()]
+        parts = [_cache.leaf_keys(_opened(f)) for f in fields.values()]
         if all(p is not None for p in parts):
             memo_key = (
                 fn, step.state_name, rule.name, rule.state_type, tuple(rule.kernels.items()),

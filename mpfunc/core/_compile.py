@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compiling"]
+__all__ = ["compiling", "func_transform_active"]
 
 
 def compiling() -> bool:
@@ -18,3 +18,10 @@ def compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None)
     return bool(is_compiling()) if is_compiling is not None else False
+
+
+def func_transform_active() -> bool:
+    """Whether a torch.func transform (grad, vjp, jacrev, vmap...) is running."""
+    functorch = getattr(torch._C, "_functorch", None)
+    level = getattr(functorch, "maybe_current_level", None)
+    return level is not None and level() is not None

@@ -57,7 +57,7 @@ class Step(NamedTuple):
     model: Side | None = None
     scale: torch.Tensor | None = None
     stats: list[Any] | None = None
-    # The memo entry of these checked inputs (``_checks.MemoEntry``), where the plan may
+    # The memo entry of these checked inputs (``_cache.MemoEntry``), where the plan may
     # remember its per-leaf decisions; ``None``: plan in full.
     memo: Any = None
 

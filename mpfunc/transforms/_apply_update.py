@@ -19,7 +19,7 @@ import torch
 
 from mpfunc.backends import _plan, _xla_watch
 from mpfunc.backends._diagnostics import UpdateStats
-from mpfunc.core import _checks, _dtensor, _gc, _tree
+from mpfunc.core import _cache, _checks, _dtensor, _gc, _tree
 from mpfunc.core._checks import Like
 from mpfunc.core._compile import compiling
 from mpfunc.core._optimizer import Optimizer, Step, Work
@@ -67,13 +67,13 @@ def _check(
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
     # A repeated step on the same trees (same structure and leaf metadata, addresses
-    # included) passed these checks before: they are skipped (_checks.memo_entry).
+    # included) passed these checks before: they are skipped (_cache.memo_entry).
     key, flat, entry = _recall(fn, masters, grads, params, stats)
     if entry is not None and entry.info is not None:
         divisor = _loss_scale.scale_value(fn, scale)
         return _resolved(_recalled(entry, flat, masters, grads, skip, params, divisor, stats))
     step = _check_all(fn, masters, grads, skip, params, scale, stats, in_place)
-    entry = _checks.memo_passed(key, [k for _, _, k in flat])
+    entry = _cache.memo_passed(key, [k for _, _, k in flat])
     if entry is None:
         return _resolved(step)
     kinds = step.kinds or []
@@ -98,12 +98,12 @@ def _resolved(step: Step) -> Step:
 
 def _recall(
     fn: str, masters: Any, grads: Any, params: Any, stats: Any
-) -> tuple[Any, list[tuple[list[Any], Any, Any]], _checks.MemoEntry | None]:
+) -> tuple[Any, list[tuple[list[Any], Any, Any]], _cache.MemoEntry | None]:
     """The memo key of a step's trees (structure and every leaf's metadata, units opened:
     optree's C flatten, no Python per node) and its entry if these checks passed before;
     a ``None`` key where the trees may not be remembered. ``flat``: per tree, its leaves,
     spec and leaf keys (``None`` for an absent ``params``/``stats``)."""
-    if not _checks.memo_enabled():
+    if not _cache.memo_enabled():
         return None, [], None
     flat: list[tuple[list[Any], Any, Any]] = []
     for tree, present in (
@@ -116,18 +116,18 @@ def _recall(
             flat.append(([], None, ()))
             continue
         leaves, spec = _tree.flatten(tree)
-        k = _checks.leaf_keys(leaves)
+        k = _cache.leaf_keys(leaves)
         if k is None:
             return None, [], None
         flat.append((leaves, spec, k))
-    key, entry = _checks.memo_entry(
+    key, entry = _cache.memo_entry(
         (fn, *(spec for _, spec, _ in flat)), tuple(k for _, _, k in flat)
     )
     return key, flat, entry
 
 
 def _recalled(
-    entry: _checks.MemoEntry,
+    entry: _cache.MemoEntry,
     flat: list[tuple[list[Any], Any, Any]],
     masters: Any,
     grads: Any,

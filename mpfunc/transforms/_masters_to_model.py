@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mpfunc.backends import _plan
-from mpfunc.core import _checks, _gc, _tensors, _tree
+from mpfunc.core import _cache, _checks, _gc, _tensors, _tree
 from mpfunc.core._checks import Like, Side
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _strategy
@@ -49,18 +49,18 @@ def _check(fn: str, masters: Any, params: Any, in_place: bool) -> tuple[Side, Si
 
 def _recall(
     fn: str, masters: Any, params: Any
-) -> tuple[Any, list[tuple[list[Any], Any, Any]], _checks.MemoEntry | None]:
+) -> tuple[Any, list[tuple[list[Any], Any, Any]], _cache.MemoEntry | None]:
     """The memo key of both trees (units opened) and its entry if these checks passed."""
-    if not _checks.memo_enabled():
+    if not _cache.memo_enabled():
         return None, [], None
     flat = []
     for tree in (masters, params):
         leaves, spec = _tree.flatten(tree)
-        k = _checks.leaf_keys(leaves)
+        k = _cache.leaf_keys(leaves)
         if k is None:
             return None, [], None
         flat.append((leaves, spec, k))
-    key, entry = _checks.memo_entry((fn, flat[0][1], flat[1][1]), (flat[0][2], flat[1][2]))
+    key, entry = _cache.memo_entry((fn, flat[0][1], flat[1][1]), (flat[0][2], flat[1][2]))
     return key, flat, entry
 
 
@@ -131,7 +131,7 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
     """
     fn = "masters_to_model_"
     # A repeated call on the same trees (structure, each leaf's metadata and address, units
-    # opened) passed these checks before: they are skipped (see _checks.memo_entry).
+    # opened) passed these checks before: they are skipped (see _cache.memo_entry).
     key, flat, entry = _recall(fn, masters, params)
     if entry is not None and entry.info is not None:
         m, p = _recalled(entry.info, flat, masters, params)
@@ -140,7 +140,7 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
         written = p.where_present(m.leaves)
         _checks.check_writable(fn, [written])
         _checks.check_no_alias(fn, written=[written], read=[m])
-        entry = _checks.memo_passed(key, [k for _, _, k in flat])
+        entry = _cache.memo_passed(key, [k for _, _, k in flat])
         if entry is not None:
             entry.info = plain
     pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]

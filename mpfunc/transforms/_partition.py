@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mpfunc.backends import _plan
-from mpfunc.core import _checks, _tree
+from mpfunc.core import _cache, _checks, _tree
 from mpfunc.core._checks import Side
 from mpfunc.core._optimizer import Optimizer, Step, Work
 from mpfunc.strategies import _strategy
@@ -126,7 +126,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
             # Masters kept by a strategy other than "fp32" are units (param + buffers).
             # Remembered with the step's checks (step.memo) under the whole state's keys.
             leaves, spec = _tree.flatten(state)
-            keys = None if step.memo is None else _checks.leaf_keys(leaves)
+            keys = None if step.memo is None else _cache.leaf_keys(leaves)
             memo_key = None if keys is None else ("partition", where, spec, keys)
             if memo_key is None or step.memo.get(memo_key) is None:
                 everything, _ = _checks.tensor_leaves(where, "state", state)
