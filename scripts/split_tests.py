@@ -4,9 +4,10 @@
 source file is cut at its ``# --- ...`` section markers; each section goes, whole, to the
 new target file the table below names (several sections may share one). Imports and
 ``pytestmark`` go to every target (ruff removes the unused ones). A module-level helper
-(function, class, constant, fixture) goes with the target whose tests use it; one used by several targets goes, once, to
-``tests/support/<source stem>.py``, which those targets import from. Test functions are
-moved verbatim: nothing is renamed or changed, so each check keeps its count.
+(function, class, constant) goes with the target whose tests use it; one used by several
+targets goes, once, to ``tests/support/<source stem>.py``, which those targets import from
+(fixtures are copied: imported, they would read as unused). Test functions are moved
+verbatim: nothing is renamed or changed, so each check keeps its count.
 """
 
 from __future__ import annotations
