@@ -33,9 +33,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transforms", ("mpfunc.transforms",)),
     # the optimizers with their back ends, torch.optim adapters, MasterOptimizer
     ("optim", ("mpfunc.optim",)),
-    # the public surface
+    # the public surface: exactly these two modules (a new module belongs in a package)
     ("public", ("mpfunc", "mpfunc.testing")),
 ]
+_EXACT = {"mpfunc", "mpfunc.testing"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -75,11 +76,15 @@ def _imports(name: str, path: pathlib.Path) -> Iterator[tuple[int, str]]:
                 yield node.lineno, target
 
 
+def _inside(name: str, package: str) -> bool:
+    return name == package or (package not in _EXACT and name.startswith(package + "."))
+
+
 def _layer(name: str) -> int:
     best = None
     for i, (_, packages) in enumerate(LAYERS):
         for p in packages:
-            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+            if _inside(name, p) and (best is None or len(p) > len(best[1])):
                 best = (i, p)
     assert best is not None, f"{name} is in no layer of LAYERS"
     return best[0]
@@ -87,7 +92,7 @@ def _layer(name: str) -> int:
 
 def _package(name: str) -> str:
     i = _layer(name)
-    return max((p for p in LAYERS[i][1] if name == p or name.startswith(p + ".")), key=len)
+    return max((p for p in LAYERS[i][1] if _inside(name, p)), key=len)
 
 
 GRAPH = {name: sorted(set(_imports(name, path))) for name, path in MODULES.items()}
