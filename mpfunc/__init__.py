@@ -22,23 +22,24 @@ per-leaf hyperparameters, checkpoints and data parallelism. Import only from
 
 import importlib.metadata as _metadata
 
-from mpfunc._accumulate import accumulate_grads, accumulate_grads_, init_grads
-from mpfunc._adam import AdamState, adam, adamw
-from mpfunc._apply_update import apply_update, apply_update_
-from mpfunc._checkpoint import (
-    load,
-    load_,
+from mpfunc.backends._diagnostics import UpdateStats, init_stats
+from mpfunc.checkpoint._file import load, load_, save
+from mpfunc.checkpoint._state_dict import (
     load_state_dict,
     load_state_dict_,
     masters_from_remainders,
     masters_state_dict,
     remainders_state_dict,
-    save,
     state_dict,
 )
-from mpfunc._clip import clip_by_global_norm, clip_by_global_norm_
-from mpfunc._diagnostics import UpdateStats, init_stats
-from mpfunc._distributed import (
+from mpfunc.core._optimizer import Optimizer
+from mpfunc.optim._adam import AdamState, adam, adamw
+from mpfunc.optim._lion import LionState, lion
+from mpfunc.optim._master_optimizer import MasterOptimizer
+from mpfunc.optim._migrate import from_torch_optim, frozen
+from mpfunc.optim._sgd import SGDState, sgd
+from mpfunc.optim._torch_optim import TorchOptimizerState, torch_optimizer
+from mpfunc.parallel._distributed import (
     all_reduce_grads,
     all_reduce_grads_,
     broadcast_params_,
@@ -47,26 +48,23 @@ from mpfunc._distributed import (
     shard_plan,
     verify_replicas,
 )
-from mpfunc._finite import all_finite
-from mpfunc._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
-from mpfunc._init_master import init_master
-from mpfunc._lion import LionState, lion
-from mpfunc._loss_scale import DynamicLossScale, StaticLossScale
-from mpfunc._master_optimizer import MasterOptimizer
-from mpfunc._masters_to_model import masters_to_model, masters_to_model_
-from mpfunc._migrate import from_torch_optim, frozen
-from mpfunc._optimizer import Optimizer
-from mpfunc._partition import partition
-from mpfunc._policy import Policy
-from mpfunc._quantize import QState
-from mpfunc._sgd import SGDState, sgd
-from mpfunc._sharding import mark_sharding_
-from mpfunc._step_in_backward import StepInBackward, step_in_backward
-from mpfunc._strategy_kahan import KahanMaster
-from mpfunc._strategy_none import RoundedMaster
-from mpfunc._strategy_remainder import RemainderMaster
-from mpfunc._strategy_stochastic import StochasticMaster
-from mpfunc._torch_optim import TorchOptimizerState, torch_optimizer
+from mpfunc.parallel._sharding import mark_sharding_
+from mpfunc.state_formats._quantize import QState
+from mpfunc.strategies._strategy_kahan import KahanMaster
+from mpfunc.strategies._strategy_none import RoundedMaster
+from mpfunc.strategies._strategy_remainder import RemainderMaster
+from mpfunc.strategies._strategy_stochastic import StochasticMaster
+from mpfunc.transforms._accumulate import accumulate_grads, accumulate_grads_, init_grads
+from mpfunc.transforms._apply_update import apply_update, apply_update_
+from mpfunc.transforms._clip import clip_by_global_norm, clip_by_global_norm_
+from mpfunc.transforms._finite import all_finite
+from mpfunc.transforms._grads_to_fp32 import grads_to_fp32, grads_to_fp32_
+from mpfunc.transforms._init_master import init_master
+from mpfunc.transforms._loss_scale import DynamicLossScale, StaticLossScale
+from mpfunc.transforms._masters_to_model import masters_to_model, masters_to_model_
+from mpfunc.transforms._partition import partition
+from mpfunc.transforms._policy import Policy
+from mpfunc.transforms._step_in_backward import StepInBackward, step_in_backward
 
 try:
     __version__ = _metadata.version("mpfunc")

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 __all__ = [
     "GRAD_LAYOUTS",
@@ -119,19 +119,39 @@ def bits_tensor(draw: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
         n *= s
     if dtype.itemsize == 2:
         specials = [0x0000, 0x8000, 0x0001, 0x8001, 0x7F80, 0xFF80, 0x7C00, 0x7FC0, 0x03FF]
-        vals = draw(st.lists(st.one_of(st.sampled_from(specials), st.integers(0, 0xFFFF)),
-                             min_size=n, max_size=n))  # fmt: skip
+        vals = draw(
+            st.lists(
+                st.one_of(st.sampled_from(specials), st.integers(0, 0xFFFF)), min_size=n, max_size=n
+            )
+        )
         raw = torch.tensor([v - 0x10000 if v >= 0x8000 else v for v in vals], dtype=torch.int16)
     else:
         # fp32 values exactly on a bf16 rounding tie (low 16 bits 0x8000), next to one,
         # subnormals, infinities and NaNs, plus arbitrary patterns.
         specials = [
-            0x3F808000, 0x3F818000, 0xBF808000, 0x00008000, 0x00000001, 0x807FFFFF,
-            0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x7F7FFFFF, 0x7F7F8000,
-            0x3F807FFF, 0x3F808001, 0x33800000,
-        ]  # fmt: skip
-        vals = draw(st.lists(st.one_of(st.sampled_from(specials), st.integers(0, 0xFFFFFFFF)),
-                             min_size=n, max_size=n))  # fmt: skip
+            0x3F808000,
+            0x3F818000,
+            0xBF808000,
+            0x00008000,
+            0x00000001,
+            0x807FFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0x7F800001,
+            0x7F7FFFFF,
+            0x7F7F8000,
+            0x3F807FFF,
+            0x3F808001,
+            0x33800000,
+        ]
+        vals = draw(
+            st.lists(
+                st.one_of(st.sampled_from(specials), st.integers(0, 0xFFFFFFFF)),
+                min_size=n,
+                max_size=n,
+            )
+        )
         raw = torch.tensor([v - 0x100000000 if v >= 0x80000000 else v for v in vals]).to(
             torch.int32
         )
@@ -141,8 +161,9 @@ def bits_tensor(draw: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
 # --- trees -------------------------------------------------------------------------------
 
 
-def tree_shapes(leaves: Any, *, none_holes: bool = True, int_leaves: bool = True,
-                max_leaves: int = 6) -> Any:  # fmt: skip
+def tree_shapes(
+    leaves: Any, *, none_holes: bool = True, int_leaves: bool = True, max_leaves: int = 6
+) -> Any:
     """A strategy nesting ``leaves`` in dicts, lists, tuples and ``Pair`` NamedTuples, with
     the odd ``None`` and integer/bool leaf. Containers are never empty, and most leaves
     are drawn from ``leaves``."""
@@ -151,8 +172,11 @@ def tree_shapes(leaves: Any, *, none_holes: bool = True, int_leaves: bool = True
         *([None] if none_holes else []),
         *([torch.arange(3), torch.tensor([True, False])] if int_leaves else []),
     ]
-    base = st.one_of(leaves, leaves, leaves, leaves, leaves, st.sampled_from(extras)) if extras \
-        else leaves  # fmt: skip
+    base = (
+        st.one_of(leaves, leaves, leaves, leaves, leaves, st.sampled_from(extras))
+        if extras
+        else leaves
+    )
     return st.recursive(
         base,
         lambda children: st.one_of(
@@ -203,8 +227,9 @@ def param_trees(
             x = _normal(draw(st.integers(0, 2**31 - 1)), shape, scale, dtype)
         return in_layout(x, draw(st.sampled_from(list(layouts)))).to(device)
 
-    return tree_shapes(st.composite(leaf)(), none_holes=none_holes, int_leaves=int_leaves,
-                       max_leaves=max_leaves)  # fmt: skip
+    return tree_shapes(
+        st.composite(leaf)(), none_holes=none_holes, int_leaves=int_leaves, max_leaves=max_leaves
+    )
 
 
 def grad_trees(
@@ -250,8 +275,9 @@ def bit_trees(
 ) -> Any:
     """A strategy for trees of arbitrary-bit low-precision tensors (contiguous), with
     ``None`` and int leaves mixed in: for properties of casts."""
-    return param_trees(LOW_DTYPES if dtype is None else (dtype,), shapes=shapes,
-                       layouts=("contiguous",), bits=True)  # fmt: skip
+    return param_trees(
+        LOW_DTYPES if dtype is None else (dtype,), shapes=shapes, layouts=("contiguous",), bits=True
+    )
 
 
 # --- agreement of two training steps ---------------------------------------------------------

@@ -28,11 +28,11 @@ oldest() {
   env -u MPFUNC_REQUIRE_XLA "$py" -m pytest "$@"
 }
 
-# The native CPU kernel (mpfunc/_native.py) compiles on first use, 30 s to 3 min, cached
+# The native CPU kernel (mpfunc/backends/_native.py) compiles on first use, 30 s to 3 min, cached
 # per torch version under ~/.cache/mpfunc/native: built here, so that no test pays for it
 # and the log says how long it took.
 native() {
-  echo "== $("$1" -m mpfunc._native)"
+  echo "== $("$1" -m mpfunc.backends._native)"
 }
 
 if [[ "${1:-}" == --oldest ]]; then

@@ -19,7 +19,7 @@ import pytest
 
 from bench.common.meta import META_KEYS
 from bench.spmd.config import MODES, PRESETS
-from mpfunc import _sharding
+from mpfunc.parallel import _sharding
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = ("1", "2", "4")

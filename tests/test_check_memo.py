@@ -22,13 +22,13 @@ import torch
 from support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 
 import mpfunc
-from mpfunc import _checks
+from mpfunc.core import _cache, _checks
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])
 def key_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the packed C++ key (``_native.meta_key``) and with the Python one."""
-    from mpfunc import _native
+    from mpfunc.backends import _native
 
     if request.param == "python":
         monkeypatch.setattr(_native, "key_function", lambda: None)
@@ -40,8 +40,8 @@ def key_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 def test_leaf_keys_tell_apart_what_the_checks_read(key_kind: str) -> None:
     base = torch.zeros(4, 3)
     same = [base, None, base[1:]]
-    key = _checks.leaf_keys(same)
-    assert key is not None and key == _checks.leaf_keys([base, None, base[1:]])
+    key = _cache.leaf_keys(same)
+    assert key is not None and key == _cache.leaf_keys([base, None, base[1:]])
     others = [
         [base, None, base[2:]],  # another address
         [base.t(), None, base[1:]],  # another layout, same address
@@ -51,16 +51,16 @@ def test_leaf_keys_tell_apart_what_the_checks_read(key_kind: str) -> None:
         [base, base, base[1:]],  # a None filled
         [base, None],  # one leaf fewer
     ]
-    assert len({key, *(_checks.leaf_keys(o) for o in others)}) == len(others) + 1
+    assert len({key, *(_cache.leaf_keys(o) for o in others)}) == len(others) + 1
 
     class Tagged(torch.Tensor):
         pass
 
-    assert _checks.leaf_keys([base.as_subclass(Tagged)]) in (None, _checks.leaf_keys(
+    assert _cache.leaf_keys([base.as_subclass(Tagged)]) in (None, _cache.leaf_keys(
         [base.as_subclass(Tagged)]
     ))  # fmt: skip
-    assert _checks.leaf_keys([torch.zeros(3).to_sparse()]) is None
-    assert _checks.leaf_keys([1.0]) is None
+    assert _cache.leaf_keys([torch.zeros(3).to_sparse()]) is None
+    assert _cache.leaf_keys([1.0]) is None
 
 
 def _setup(device: torch.device) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def _count_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_a_repeated_call_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _setup(torch.device("cpu"))
     calls = _count_checks(monkeypatch)
     _call(t, "grads_to_fp32_")
@@ -188,7 +188,7 @@ CHANGES: list[tuple[str, Callable[[dict[str, Any]], None], str, type[Exception],
 def test_a_changed_leaf_is_checked_again(
     change: Callable[[dict[str, Any]], None], call: str, exc: type[Exception], regex: str
 ) -> None:
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _setup(torch.device("cpu"))
     _step(t)
     _step(t)  # remembered, and reused
@@ -202,7 +202,7 @@ def test_a_changed_leaf_is_checked_again(
 
 
 def test_a_changed_structure_is_checked_again() -> None:
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _setup(torch.device("cpu"))
     _step(t)
     t["grads"] = {"a": t["grads"]["a"], "b": t["grads"]["b"], "d": t["grads"]["c"]}
@@ -217,7 +217,7 @@ def test_a_subclass_is_always_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     class Tagged(torch.Tensor):
         pass
 
-    _checks.clear_memo()
+    _cache.clear_memo()
     masters = {"w": torch.zeros(3).as_subclass(Tagged)}
     grads = {"w": torch.ones(3)}
     opt = mpfunc.sgd(lr=0.1)
@@ -232,12 +232,12 @@ def test_a_subclass_is_always_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_xla_trees_are_always_checked(xla_device: torch.device) -> None:
     import torch_xla
 
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _setup(xla_device)
     _step(t)
     _step(t)
     torch_xla.sync()
-    assert len(_checks._memo) == 0 and len(_checks._entries) == 0
+    assert len(_cache._memo) == 0 and len(_cache._entries) == 0
     t["state"].exp_avg["c"] = t["masters"]["c"]  # the master's own tensor: one tensor twice
     with pytest.raises(ValueError, match=r"that shares no memory"):
         _step(t)
@@ -259,7 +259,7 @@ def _update(t: dict[str, Any], **kw: Any) -> None:
 
 
 def _spy_plan(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    from mpfunc import _plan
+    from mpfunc.backends import _plan
 
     calls = _count_checks(monkeypatch)
     real = _plan._decide
@@ -282,7 +282,7 @@ def test_a_repeated_step_is_checked_and_planned_once(
     kw: dict[str, Any] = {
         "none": {}, "scale": {"scale": torch.tensor(4.0)}, "skip": {"skip": torch.tensor(False)},
     }[extra]  # fmt: skip
-    _checks.clear_memo()
+    _cache.clear_memo()
     t, ref = _one_pass(strategy=strategy), _one_pass(strategy=strategy)
     calls = _spy_plan(monkeypatch)
     _update(t, **kw)
@@ -291,7 +291,7 @@ def test_a_repeated_step_is_checked_and_planned_once(
     for _ in range(3):
         _update(t, **kw)
     assert calls == []
-    with _checks.memo_off():
+    with _cache.memo_off():
         for _ in range(4):
             _update(ref, **kw)
     assert calls.count("decide") == 4
@@ -343,7 +343,7 @@ ONE_PASS_CHANGES = [
 def test_a_changed_one_pass_input_is_checked_again(
     change: Callable[[dict[str, Any]], None], exc: type[Exception], regex: str
 ) -> None:
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _one_pass()
     _update(t)
     _update(t)  # remembered, and reused
@@ -357,10 +357,10 @@ def test_a_changed_one_pass_input_is_checked_again(
 def test_a_changed_layout_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Same shapes, dtypes and addresses but a master transposed in place of its layout:
     the plan's decision (native kernel or not) is made again, and the bits match."""
-    _checks.clear_memo()
+    _cache.clear_memo()
     t, ref = _one_pass(), _one_pass()
     _update(t)
-    with _checks.memo_off():
+    with _cache.memo_off():
         _update(ref)
     calls = _spy_plan(monkeypatch)
     for d in (t, ref):
@@ -369,7 +369,7 @@ def test_a_changed_layout_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> N
     _update(t)
     assert "decide" in calls
     _update(t)
-    with _checks.memo_off():
+    with _cache.memo_off():
         _update(ref)
         _update(ref)
     for name in ("masters", "state", "params"):
@@ -379,9 +379,9 @@ def test_a_changed_layout_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> N
 def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's memo is keyed on the rule and its hyperparameters and impl: the same trees
     with impl='foreach' (or other betas) are not handed the native kernel's plan."""
-    from mpfunc import _native
+    from mpfunc.backends import _native
 
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _one_pass()
     _update(t)
     calls = _spy_plan(monkeypatch)
@@ -403,7 +403,7 @@ def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> 
 def test_the_memo_keeps_no_tensor_alive() -> None:
     import weakref
 
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _one_pass()
     _update(t)
     _update(t)
@@ -416,7 +416,7 @@ def test_the_memo_keeps_no_tensor_alive() -> None:
 
 @pytest.mark.parametrize("strategy", ["fp32", "kahan"])
 def test_masters_to_model_is_checked_once(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
-    _checks.clear_memo()
+    _cache.clear_memo()
     t = _one_pass(strategy=strategy)
     _update(t)
     calls = _count_checks(monkeypatch)
@@ -438,7 +438,7 @@ def test_masters_to_model_is_checked_once(monkeypatch: pytest.MonkeyPatch, strat
 
 
 def _strategy_face(x: Any) -> torch.Tensor:
-    from mpfunc import _strategy
+    from mpfunc.strategies import _strategy
 
     return _strategy.face(x)  # type: ignore[no-any-return]
 
@@ -454,7 +454,7 @@ def _partitioned() -> dict[str, Any]:
 
 
 def test_a_repeated_partition_step_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    _checks.clear_memo()
+    _cache.clear_memo()
     t, ref = _partitioned(), _partitioned()
     calls = _spy_plan(monkeypatch)
     _update(t)
@@ -463,7 +463,7 @@ def test_a_repeated_partition_step_is_checked_once(monkeypatch: pytest.MonkeyPat
     _update(t)
     _update(t)
     assert calls == []
-    with _checks.memo_off():
+    with _cache.memo_off():
         for _ in range(3):
             _update(ref)
     for name in ("masters", "params"):

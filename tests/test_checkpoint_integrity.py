@@ -205,7 +205,7 @@ def _forge(
 
 
 def _seal(path: pathlib.Path) -> None:
-    """Adds the seal ``save`` writes (the format is documented in mpfunc/_checkpoint.py):
+    """Adds the seal ``save`` writes (the format is documented in mpfunc/checkpoint/_file.py):
     a forger can compute it, so it proves integrity, not authenticity."""
     data = path.read_bytes()
     assert data[-22:-18] == b"PK\x05\x06" and data[-2:] == b"\0\0"

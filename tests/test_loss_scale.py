@@ -26,7 +26,7 @@ from support.helpers import assert_bits_equal, assert_trees_bits_equal, assert_u
 from support.strategies import realize, specs
 
 import mpfunc
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 F32_MAX = torch.finfo(torch.float32).max
 F32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, 2**-126

@@ -21,7 +21,7 @@ from support.helpers import assert_bits_equal, assert_close_bound, assert_unchan
 from support.trees import sync
 
 import mpfunc
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 LS = torch.optim.lr_scheduler
 STEPS = 12

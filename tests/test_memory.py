@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mpfunc
-from mpfunc import _plan as _grouping
+from mpfunc.core import _tensors as _grouping
 
 N_TENSORS, NUMEL = 64, 125_000  # 8M elements: 32 MB of fp32 masters
 MODEL_BYTES = N_TENSORS * NUMEL * 4

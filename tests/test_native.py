@@ -1,4 +1,4 @@
-"""The native one-pass CPU Adam/AdamW (mpfunc/_native.py, mpfunc/csrc/adam_mixed.cpp).
+"""The native one-pass CPU Adam/AdamW (mpfunc/backends/_native.py, backends/csrc/adam_mixed.cpp).
 
 Its promise: for finite inputs, masters, moments and steps bit-identical to torch's fused
 CPU kernel run on the fp32-upcast (and unscaled) grads, and params bit-identical to
@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpfunc import _native
+from mpfunc.backends import _native
 from tests.support.error_table import assert_unchanged, snapshot, tensors
 from tests.support.native import native_module
 
@@ -154,7 +154,7 @@ def make_case(
 def round_params(c: Case) -> None:
     """The params hold their masters' rounding, as every step leaves them: the kernel
     reads them and refreshes a master whose param was written behind its back
-    (test_user_edge.py), which the three-call reference path does not. A test that
+    (test_param_writes.py), which the three-call reference path does not. A test that
     edits masters after make_case calls this."""
     for m, o in zip(c.masters, c.params_out or ()):
         o.copy_(m)

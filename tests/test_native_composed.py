@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpfunc
-from mpfunc import _native
-from mpfunc._optimizer import Group
+from mpfunc.backends import _native
+from mpfunc.core._optimizer import Group
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
 
@@ -194,7 +194,7 @@ def test_native_refuses_a_wrong_call_before_writing(native: Any) -> None:
 def test_decode_tables_are_one_division() -> None:
     # The fused 8-bit piece computes table entry k as k / (254 - |k|) (signed) or
     # k / (508 - k) (unsigned) with one fp32 division: the tables' bits, every entry.
-    from mpfunc import _quantize
+    from mpfunc.state_formats import _quantize
 
     k = torch.arange(-127, 128, dtype=torch.float32)
     assert torch.equal(_quantize._TABLE_CPU[True][1:], k / (254 - k.abs()))

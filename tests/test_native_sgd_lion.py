@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpfunc
-from mpfunc import _checks, _native
-from mpfunc._optimizer import Group
+from mpfunc.backends import _native
+from mpfunc.core import _checks
+from mpfunc.core._optimizer import Group
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
 from tests.test_native_composed import LAYOUTS, STATE_DTYPES, STRATEGIES, _laid, _numel, _values

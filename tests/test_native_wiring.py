@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpfunc
-from mpfunc import _adam, _native
-from mpfunc._optimizer import Group
+from mpfunc.backends import _native
+from mpfunc.core._optimizer import Group
+from mpfunc.optim import _adam
 from tests.support.helpers import assert_bits_equal, assert_trees_bits_equal
 from tests.support.native import native_module
 

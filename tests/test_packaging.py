@@ -54,7 +54,7 @@ def test_version_has_one_source() -> None:
     assert "version" not in PROJECT.get("dynamic", [])
     assert importlib.metadata.version("mpfunc") == PROJECT["version"]
     assert mpfunc.__version__ == PROJECT["version"]
-    for f in sorted((REPO / "mpfunc").glob("*.py")):
+    for f in sorted((REPO / "mpfunc").rglob("*.py")):
         assert f'"{PROJECT["version"]}"' not in f.read_text(), f"{f.name} restates the version"
 
 
@@ -203,7 +203,7 @@ def test_sdist_carries_the_tests_and_nothing_else(tmp_path: pathlib.Path) -> Non
 
 def test_wheel_from_the_sdist_carries_the_whole_package(tmp_path: pathlib.Path) -> None:
     """The wheel built from the sdist (as pip builds it) holds every file of mpfunc/:
-    modules, py.typed and the C++ source that mpfunc._native compiles at run time."""
+    modules, py.typed and the C++ source that mpfunc.backends._native compiles at run time."""
     src = unpack(sdist_of_this_clone(tmp_path), tmp_path / "unpacked")
     with zipfile.ZipFile(build("wheel", tmp_path, src)) as whl:
         names = {n for n in whl.namelist() if n.startswith("mpfunc/")}

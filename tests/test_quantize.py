@@ -1,4 +1,4 @@
-"""Blockwise 8-bit optimizer moments (``mpfunc._quantize``).
+"""Blockwise 8-bit optimizer moments (``mpfunc.state_formats._quantize``).
 
 The promises, each tested on the CPU and on XLA:
 
@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from support.helpers import assert_bits_equal, assert_unchanged, settle, snapshot
 from support.trees import per_device, sync
 
-from mpfunc import _adam
-from mpfunc import _quantize as Q
-from mpfunc._optimizer import Group
+from mpfunc.core._optimizer import Group
+from mpfunc.optim import _adam
+from mpfunc.state_formats import _quantize as Q
 
 # Few shapes, so XLA compiles each quantize/dequantize graph once: scalars, a tail
 # shorter than a block, several blocks with a tail, exact blocks, and empty.
@@ -615,7 +615,7 @@ def test_xla_random_bits_match_cpu_without_a_constant_index(
     constant of n elements in the graph."""
     import torch_xla
 
-    from mpfunc import _rng
+    from mpfunc.core import _rng
 
     key = torch.tensor(-123456789, dtype=torch.int32)
     x = _rng.bits(key.to(xla_device), (n,))
@@ -629,7 +629,8 @@ def test_xla_batched_draws_equal_one_draw_per_tensor(xla_device: torch.device) -
     """bits_list/uniform_list (one chain over a whole list on XLA) give each tensor the
     bits that bits/uniform give it alone on the CPU; the state's per-leaf keys, mixed as
     one stacked vector on XLA, equal the CPU's one by one."""
-    from mpfunc import _rng, _state_format
+    from mpfunc.core import _rng
+    from mpfunc.state_formats import _state_format
 
     shapes = [(3,), (40, 6), (1025,), (2, 3, 5)]
     cpu_keys = [torch.tensor(v, dtype=torch.int32) for v in (7, -1, 2**30, -(2**31))]

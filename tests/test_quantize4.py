@@ -1,4 +1,4 @@
-"""Blockwise 4-bit optimizer moments (``mpfunc._quantize4``).
+"""Blockwise 4-bit optimizer moments (``mpfunc.state_formats._quantize4``).
 
 The promises, each tested on the CPU and on XLA where a device is involved:
 
@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from support.helpers import assert_bits_equal, assert_unchanged, settle, snapshot
 from support.trees import per_device, sync
 
-from mpfunc import _checks, _rng, _tree
-from mpfunc import _quantize4 as Q
+from mpfunc.core import _checks, _rng, _tree
+from mpfunc.state_formats import _quantize4 as Q
 
 # Few shapes, so XLA compiles each graph once: exactly one block, one block and a tail
 # (odd: a half-used last byte), several blocks with a tail, exact blocks.

@@ -1,4 +1,4 @@
-"""The bf16 param + int16 remainder encoding of fp32 masters (``mpfunc._remainder``).
+"""The bf16 param + int16 remainder encoding of fp32 masters (``mpfunc.strategies._remainder``).
 
 Checked against the specification in the module docstring, written here a second
 way (Python/int64 arithmetic on the bit patterns): ``join(split(x))`` is ``x`` bit for
@@ -20,7 +20,7 @@ from support.error_table import call, check_row, row
 from support.helpers import assert_bits_equal, bits, settle
 from support.strategies import SHAPES, bits_tensor
 
-from mpfunc import _remainder
+from mpfunc.strategies import _remainder
 
 # --- the specification, a second time -------------------------------------------------------
 

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import mpfunc
-from mpfunc import _sharding
+from mpfunc.parallel import _sharding
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "spmd_worker.py"

@@ -195,7 +195,7 @@ def _functional(strategy: str, sd: torch.dtype, partitioned: bool, scale: Any, s
 
 
 def _leaves(tree: Any) -> list[Any]:
-    from mpfunc import _tree
+    from mpfunc.core import _tree
 
     return _tree.flatten(tree)[0]
 

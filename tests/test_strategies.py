@@ -29,8 +29,8 @@ from support.helpers import bits
 from support.layouts import BF16, GRAD_LAYOUTS, OPTS, PARAM_LAYOUTS, grad_like
 
 import mpfunc
-from mpfunc import _remainder
-from mpfunc._strategy_stochastic import round_stochastic
+from mpfunc.strategies import _remainder
+from mpfunc.strategies._strategy_stochastic import round_stochastic
 
 STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
 STATE_DTYPES = [None, torch.bfloat16, torch.uint8]
@@ -155,7 +155,7 @@ def test_single_pass_keeps_no_fp32_grad_tree() -> None:
     state = opt.init(masters)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     peak = 0
-    from mpfunc import _plan
+    from mpfunc.backends import _plan
 
     real = _plan._run_mixed
 
@@ -304,7 +304,7 @@ def test_stochastic_rounding_is_unbiased() -> None:
     # Values spread over one bf16 interval [1, 1 + 2**-7): E[round(x)] == x.
     n = 1 << 16
     x = 1.0 + torch.rand(n, generator=torch.Generator().manual_seed(0)) * 2.0**-7
-    from mpfunc import _rng
+    from mpfunc.core import _rng
 
     total = torch.zeros(n, dtype=torch.float64)
     draws = 32
@@ -322,7 +322,8 @@ def test_stochastic_rounding_is_unbiased() -> None:
 
 @pytest.mark.xla
 def test_stochastic_rounding_same_bits_on_xla(xla_device: torch.device) -> None:
-    from mpfunc import _rng, _strategy_stochastic
+    from mpfunc.core import _rng
+    from mpfunc.strategies import _strategy_stochastic
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4, 8, generator=gen) * torch.logspace(-30, 30, 8)
@@ -382,7 +383,7 @@ def test_uint8_state_stays_close_to_fp32_adam() -> None:
     assert isinstance(q.exp_avg["w"], mpfunc.QState)
     assert q.exp_avg["w"].codes.dtype == torch.int8 and q.exp_avg_sq["w"].codes.dtype == torch.uint8
     ref_m, ref_s = runs["None"]
-    from mpfunc import _quantize
+    from mpfunc.state_formats import _quantize
 
     d8 = _quantize.dequantize(q.exp_avg["w"]) / _quantize.dequantize(q.exp_avg_sq["w"]).sqrt()
     d32 = ref_s.exp_avg["w"] / ref_s.exp_avg_sq["w"].sqrt()
@@ -702,7 +703,7 @@ def test_lossless_bf16_checkpoint_from_xla(xla_device: torch.device) -> None:
 def test_leaf_keys_hash_as_the_tensor_mix_does(seed: int, index: int) -> None:
     """``_rng.key_for`` hashes in Python integers; the same bits as ``_rng._mix`` on int32
     tensors (the form the draws use on every device)."""
-    from mpfunc import _rng
+    from mpfunc.core import _rng
 
     h = torch.tensor(_rng._wrap(seed * 0x9E3779B1 + index), dtype=torch.int32)
     want = _rng._mix(_rng._mix(h).bitwise_xor_(_rng._wrap(index)))

@@ -14,7 +14,7 @@ from support.examples import load
 
 import mpfunc
 import mpfunc.testing as mt
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 # --- strategies --------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""mpfunc._xla_kernels: Adam/AdamW/SGD/Lion as one XLA node per step, and its wiring as
+"""mpfunc.backends._xla_kernels: Adam/AdamW/SGD/Lion as one XLA node per step, and its wiring as
 the ``"xla"`` kernel that ``impl="auto"`` picks on XLA for fp32 masters.
 
 * mpfunc's foreach path, for every flag, tensor or float lr, and skip pattern: step
@@ -28,7 +28,7 @@ import mpfunc
 
 pytestmark = pytest.mark.xla
 
-K = pytest.importorskip("mpfunc._xla_kernels")
+K = pytest.importorskip("mpfunc.backends._xla_kernels")
 
 LAYOUTS: list[tuple[tuple[int, ...], ...]] = [
     ((4, 5),),
@@ -65,7 +65,7 @@ def _assert_bits(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> Non
 
 
 def _leaves(tree: Any) -> list[Any]:
-    return [t for t in mpfunc._tree.flatten(tree)[0] if t is not None]
+    return [t for t in mpfunc.core._tree.flatten(tree)[0] if t is not None]
 
 
 def _init(layout: tuple[tuple[int, ...], ...], seed: int, device: torch.device) -> dict[str, Any]:
@@ -501,7 +501,7 @@ def test_the_whole_group_is_one_node(xla_device: torch.device) -> None:
 _ALIAS_SCRIPT = """
 import random
 import torch, torch_xla
-from mpfunc import _xla_kernels as K
+from mpfunc.backends import _xla_kernels as K
 
 dev = torch_xla.device()
 n, shape = 4, (64, 64)
@@ -745,7 +745,7 @@ WIRED = {
 
 
 def _plan(opt: mpfunc.Optimizer, masters: Any, grads: Any, skip: Any = None) -> list[Any]:
-    from mpfunc._apply_update import _check
+    from mpfunc.transforms._apply_update import _check
 
     return opt.plan(
         _check("apply_update_", masters, grads, opt, skip, in_place=True), opt.init(masters), "f"
@@ -786,7 +786,7 @@ def test_group_model_and_scale(xla_device: torch.device, name: str) -> None:
     state_ref = WIRED[name]("foreach").init(ref)
     state = WIRED[name]("xla").init(mine)
     # The model params hold their masters' rounding, as every step leaves them (a param
-    # that does not refreshes its master first: test_user_edge.py).
+    # that does not refreshes its master first: test_param_writes.py).
     low = {k: v.to(torch.bfloat16) for k, v in mine.items()}
     scale = torch.tensor(256.0, device=dev)
     for t, skipped in enumerate([False, True, False]):
@@ -796,7 +796,7 @@ def test_group_model_and_scale(xla_device: torch.device, name: str) -> None:
         mpfunc.apply_update_(ref, g32, state_ref, WIRED[name]("foreach"), skip=skip)
         _sync()
         opt = WIRED[name]("xla")
-        from mpfunc._apply_update import _check
+        from mpfunc.transforms._apply_update import _check
 
         step = _check("f", mine, g32, opt, skip, in_place=True)
         (work,) = opt.plan(step, state, "f")
@@ -880,7 +880,7 @@ def _pair_steps(
 def _plan_step(
     opt: mpfunc.Optimizer, masters: Any, grads: Any, state: Any, skip: Any, model: Any
 ) -> list[Any]:
-    from mpfunc._apply_update import _check
+    from mpfunc.transforms._apply_update import _check
 
     step = _check("f", masters, grads, opt, skip, model, 64.0, in_place=True)
     return opt.plan(step, state, "f")
@@ -944,7 +944,7 @@ def test_pair_agrees_with_cpu(xla_device: torch.device, strategy: str, state_dty
     within the stated bound, bf16 tensors within one ulp of their peak and 8-bit codes
     within one code step, where rounding a last-bit difference (or a stochastic draw at
     it) decides."""
-    from mpfunc import _remainder
+    from mpfunc.strategies import _remainder
 
     xla, kernels, _ = _pair_steps("adamw", strategy, state_dtype, "auto", xla_device)
     cpu, _, _ = _pair_steps("adamw", strategy, state_dtype, "auto", torch.device("cpu"))

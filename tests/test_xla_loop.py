@@ -96,7 +96,7 @@ def _leaves(xla_device: torch.device) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def unwarned(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pending-graph warning fires once per process: each test starts unwarned."""
-    from mpfunc import _xla_watch
+    from mpfunc.backends import _xla_watch
 
     monkeypatch.setattr(_xla_watch, "_warned", False)
     monkeypatch.setattr(_xla_watch, "_ENDS", {})
@@ -108,7 +108,7 @@ def test_a_loop_without_sync_warns_once(xla_device: torch.device, inplace: bool,
     """No torch_xla.sync() in the loop: every step adds to one pending graph (30 such
     steps took 123 s). Step PENDING_STEPS + 1 warns, once, naming the fix. Nothing is
     synced here, so nothing compiles; the pending graph is dropped with its tensors."""
-    from mpfunc._xla_watch import PENDING_STEPS, PendingGraphWarning
+    from mpfunc.backends._xla_watch import PENDING_STEPS, PendingGraphWarning
 
     params = _leaves(xla_device)
     masters = mpfunc.init_master(params)

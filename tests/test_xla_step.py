@@ -143,7 +143,7 @@ def test_a_schedule_that_reads_the_count_back_warns_once(xla_device: torch.devic
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from mpfunc._xla_watch import HostReadWarning
+    from mpfunc.backends._xla_watch import HostReadWarning
 
     def run(schedule: Callable[[torch.Tensor], object], steps: int) -> None:
         masters = _xla_leaves(xla_device)

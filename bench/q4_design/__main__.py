@@ -1,6 +1,6 @@
 """4-bit moment design: which block size, maps and rounding keep Adam's direction?
 
-As the 8-bit codec was chosen (``mpfunc._quantize``'s docstring): an fp32 AdamW run of
+As the 8-bit codec was chosen (``mpfunc.state_formats._quantize``'s docstring): an fp32 AdamW run of
 the convergence benchmark's model and data (``bench.convergence``: a character LM on the
 Python standard library's source) feeds its gradients, step by step, to candidate 4-bit
 moment codecs held on the side. Each candidate keeps its own first and second moment
@@ -41,7 +41,7 @@ BLOCKS = (32, 64, 128)
 # The issue's budget: "stochastic" masters (a 2-byte bf16 param and a 4-byte key per
 # leaf) + 4-bit moments <= 3.2 B/param, so both moments together <= about 1.2 B/param.
 MOMENT_BUDGET = 1.2
-# The combination mpfunc._quantize4 implements (see its docstring for why).
+# The combination mpfunc.state_formats._quantize4 implements (see its docstring for why).
 MODULE = "softsign/32 | sqrt-softsign/32/stochastic"
 CONFIG = {
     "pretrain_steps": 800,
@@ -89,7 +89,8 @@ def run_phase(
     from bench.convergence.model import loss_fn
     from bench.convergence.worker import windows
     from bench.q4_design import maps
-    from mpfunc import _quantize, _rng
+    from mpfunc.core import _rng
+    from mpfunc.state_formats import _quantize
 
     b1, b2 = BETAS
     params = list(model.parameters())
@@ -303,7 +304,10 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for phase in ("pretrain", "finetune"):
         ph = result["phases"][phase]
-        for label, combo in (("lowest", pick["combo"]), ("mpfunc._quantize4", MODULE)):
+        for label, combo in (
+            ("lowest", pick["combo"]),
+            ("mpfunc.state_formats._quantize4", MODULE),
+        ):
             marks = sorted(ph["checkpoints"], key=int)
             cells = "; ".join(f"step {k}: {ph['checkpoints'][k]['dir'][combo]:.1%}" for k in marks)
             lines.append(f"{phase}, {label}: {cells}  ")

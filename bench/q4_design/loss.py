@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.convergence.model import loss_fn
     from bench.convergence.worker import evaluate, make_batches, new_model, pretrain, windows
     from bench.q4_design import maps
-    from mpfunc import _rng
+    from mpfunc.core import _rng
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

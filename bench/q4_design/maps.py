@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from mpfunc import _rng
+from mpfunc.core import _rng
 
 SCALE = torch.bfloat16
 

@@ -31,7 +31,7 @@ import torch
 
 # The checkout's mpfunc, never an installed copy: this script checks the code beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mpfunc import _remainder
+from mpfunc.strategies import _remainder
 
 TOTAL = 1 << 32
 

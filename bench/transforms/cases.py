@@ -277,12 +277,12 @@ def _mixed_one_pass(pt: Point) -> Step:
 def _mixed_no_memo(pt: Point) -> Step:
     """As ``_mixed_one_pass`` with mpfunc's memo of passed checks off: every call checks and
     plans each leaf in full, as before the memo (the side-by-side "before")."""
-    from mpfunc import _checks
+    from mpfunc.core import _cache
 
     step = _mixed_one_pass(pt)
 
     def run() -> Any:
-        with _checks.memo_off():
+        with _cache.memo_off():
             return step()
 
     return run
@@ -291,8 +291,9 @@ def _mixed_no_memo(pt: Point) -> Step:
 def _mixed_kernel(pt: Point) -> Step:
     """The native kernel alone, on the lists ``_plan`` would give it: what the step costs
     without mpfunc's per-leaf checks and planning in Python."""
-    from mpfunc import _adam, _native
-    from mpfunc._optimizer import Group
+    from mpfunc.backends import _native
+    from mpfunc.core._optimizer import Group
+    from mpfunc.optim import _adam
 
     opt = _mpfunc_opt("adamw", "auto")
     masters, params, grads = pt.masters, pt.params, pt.grads

@@ -7,7 +7,7 @@ from typing import Any
 import optree
 import torch
 
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 # The bound for paths whose op order differs from torch.optim's (foreach/reference
 # Adam, any lr given as a tensor): |mpfunc - torch| <= RTOL * |torch| + ATOL_PER_LR * lr * N
@@ -57,8 +57,8 @@ def leaves(tree: Any) -> list[Any]:
 
 def _joined(tree: Any) -> Any:
     """Remainder units as their fp32 masters: a NaN master's remainder is its payload."""
-    from mpfunc._remainder import _join_eager
-    from mpfunc._strategy_remainder import RemainderMaster
+    from mpfunc.strategies._remainder import _join_eager
+    from mpfunc.strategies._strategy_remainder import RemainderMaster
 
     def join(x: Any) -> Any:
         if isinstance(x, RemainderMaster):

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mpfunc import _native
+from mpfunc.backends import _native
 
 
 def native_module() -> Any:

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from mpfunc import _tree
 from mpfunc import testing as _public
+from mpfunc.core import _tree
 
 # The public strategies (mpfunc.testing) are these tests' own; what stays here is
 # specific to mpfunc's suite: the shape catalog its XLA tests compile, and specs that

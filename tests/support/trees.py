@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from hypothesis import settings
 
-from mpfunc import _tree
+from mpfunc.core import _tree
 
 
 def per_device(device: torch.device, cpu: int, xla: int) -> Any:

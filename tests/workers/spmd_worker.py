@@ -182,7 +182,7 @@ class Run:
 
     def expected(self, t: torch.Tensor, sharded: bool) -> str:
         """The spec a leaf should have: ``mark_sharding_``'s rule, or replicated."""
-        from mpfunc import _sharding
+        from mpfunc.parallel import _sharding
 
         if not sharded:
             return "{replicated}"
@@ -196,8 +196,8 @@ class Run:
 
     def check(self, where: str, tree: Any, sharded: bool, bad: list[str]) -> None:
         """Appends every leaf of ``tree`` whose spec is not the expected one."""
-        leaves, _ = mpfunc._tree.flatten(tree)
-        paths = mpfunc._tree.leaf_paths(tree)
+        leaves, _ = mpfunc.core._tree.flatten(tree)
+        paths = mpfunc.core._tree.leaf_paths(tree)
         for path, t in zip(paths, leaves):
             if t is None:
                 continue
@@ -283,7 +283,7 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
         run.check(f"step {k} synced: masters", masters, masters_sharded, bad)
         check_state(run, f"step {k} synced", state, masters_sharded, bad)
     deltas = {n: run.count(n) - counts[n] for n in names}
-    leaves = [t for t in mpfunc._tree.flatten((masters, state))[0] if t is not None]
+    leaves = [t for t in mpfunc.core._tree.flatten((masters, state))[0] if t is not None]
     per_device = run.spmd.device_bytes(leaves)
     result = {
         "bad_specs": bad,
@@ -291,7 +291,9 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
         "device_bytes": per_device,
         "full_bytes": run.spmd.full_bytes(leaves),
         "expected_device_bytes": sum(run.expected_bytes(t, masters_sharded) for t in leaves),
-        "specs": {n: run.spmd.spec(mpfunc._tree.flatten(t)[0][-1]) for n, t in masters.items()},
+        "specs": {
+            n: run.spmd.spec(mpfunc.core._tree.flatten(t)[0][-1]) for n, t in masters.items()
+        },
         "param_specs": {n: run.spmd.spec(t) for n, t in params.items()},
         "compared": "masters" if case.strategy == "fp32" else "params",
         "err_vs_cpu": rel_err(
@@ -381,7 +383,9 @@ def resume(run: Run, out: Path) -> dict[str, Any]:
         "devices": run.n,
         "bad_specs": bad,
         "loads_agree": same,
-        "specs": {n: run.spmd.spec(mpfunc._tree.flatten(t)[0][-1]) for n, t in masters.items()},
+        "specs": {
+            n: run.spmd.spec(mpfunc.core._tree.flatten(t)[0][-1]) for n, t in masters.items()
+        },
         "steps": float(state.step["fc1.weight"].cpu()),
         "err_vs_cpu": rel_err(masters, cpu_reference("adamw", STEPS + RESUMED)),
     }

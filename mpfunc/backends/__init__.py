@@ -1,0 +1,2 @@
+"""Where a step runs: the planner that groups leaves into kernel calls, the native CPU pass
+(csrc/), the XLA computations."""

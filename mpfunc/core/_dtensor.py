@@ -1,0 +1,137 @@
+"""DTensor leaves (FSDP2, tensor parallel): elementwise work runs on the local shards.
+
+A DTensor is a wrapper: its ``data_ptr()`` is 0, foreach ops over DTensors go through
+sharding propagation (and some, such as ``_foreach_copy_``, find no mesh), and a DTensor
+mixed with a plain tensor (a tensor lr, a ``skip`` flag) is refused. mpfunc's
+elementwise kernels (casts, optimizer steps, accumulation) therefore run on each
+DTensor's local tensor (``to_local()`` without a copy): an elementwise op on matching
+shards is the op on the global tensor. Pure functions wrap their results back into
+DTensors with the input's mesh and placements, so a tree of DTensors stays one.
+
+Reductions over the whole tree (``clip_by_global_norm``, ``all_finite``) keep DTensor's
+own dispatch, which reduces across the mesh, and return plain tensors that hold the
+global value on every rank.
+
+No DTensor can exist unless ``torch.distributed.tensor`` is imported, so the checks here
+cost one dictionary lookup when it is not, and mpfunc never imports it itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "describe_sharding",
+    "dtensor_type",
+    "full",
+    "local",
+    "local_group",
+    "locals_",
+    "same_sharding",
+    "sharding_key",
+    "wrap_like",
+]
+
+
+def dtensor_type() -> Any:
+    """The DTensor class if torch's DTensor module is loaded (no DTensor exists otherwise)."""
+    mod = sys.modules.get("torch.distributed.tensor") or sys.modules.get(
+        "torch.distributed._tensor"
+    )
+    cls = getattr(mod, "DTensor", None)
+    return cls if isinstance(cls, type) else None
+
+
+def local(t: Any) -> Any:
+    """``t``'s local shard if ``t`` is a DTensor (a view, no copy), else ``t``."""
+    cls = dtensor_type()
+    if cls is not None and isinstance(t, cls):
+        return t._local_tensor  # what to_local() returns, without an autograd node
+    return t
+
+
+def locals_(tensors: Sequence[Any]) -> list[Any]:
+    """``local`` of each element (``None`` stays ``None``)."""
+    cls = dtensor_type()
+    if cls is None:
+        return list(tensors)
+    return [t._local_tensor if isinstance(t, cls) else t for t in tensors]
+
+
+def wrap_like(ref: Any, t: torch.Tensor) -> Any:
+    """``t`` (a local result) as a DTensor with ``ref``'s mesh and placements when ``ref``
+    is a DTensor; ``t`` itself otherwise."""
+    cls = dtensor_type()
+    if cls is None or not isinstance(ref, cls):
+        return t
+    spec = ref._spec
+    return cls.from_local(
+        t, spec.mesh, spec.placements, run_check=False, shape=ref.shape, stride=ref.stride()
+    )
+
+
+def same_sharding(a: Any, b: Any) -> str | None:
+    """``None`` if ``a`` and ``b`` pair shard for shard (both plain tensors, or DTensors on
+    one mesh with one placement), else what ``b`` should have been, for an error."""
+    cls = dtensor_type()
+    if cls is None:
+        return None
+    da, db = isinstance(a, cls), isinstance(b, cls)
+    if not da and not db:
+        return None
+    if da != db:
+        kind = "a DTensor" if da else "a plain tensor"
+        return f"{kind}, as the reference leaf (elementwise work pairs local shards)"
+    sa, sb = a._spec, b._spec
+    if sa.mesh != sb.mesh or tuple(sa.placements) != tuple(sb.placements):
+        return f"a DTensor on {sa.mesh} with placements {tuple(sa.placements)}"
+    if a._local_tensor.shape != b._local_tensor.shape:
+        return f"a local shard of shape {tuple(a._local_tensor.shape)}"
+    return None
+
+
+def describe_sharding(t: Any) -> str:
+    cls = dtensor_type()
+    if cls is None or not isinstance(t, cls):
+        return f"a plain tensor of shape {tuple(t.shape)}"
+    spec = t._spec
+    return (
+        f"a DTensor on {spec.mesh} with placements {tuple(spec.placements)}, local shard of "
+        f"shape {tuple(t._local_tensor.shape)}"
+    )
+
+
+def local_group(group: Any) -> Any:
+    """A kernel's ``Group`` (a NamedTuple of lists, a state NamedTuple, lr, skip) with every
+    DTensor replaced by its local shard; the same object when there is none."""
+    cls = dtensor_type()
+    if cls is None:
+        return group
+    from mpfunc.core import _tree
+
+    leaves, spec = _tree.flatten(group)
+    if not any(isinstance(t, cls) for t in leaves):
+        return group
+    return _tree.unflatten(spec, [t._local_tensor if isinstance(t, cls) else t for t in leaves])
+
+
+def sharding_key(t: Any) -> object:
+    """``None`` for a plain tensor; a DTensor's (mesh, placements): reductions group by it,
+    since DTensors on different meshes cannot be stacked."""
+    cls = dtensor_type()
+    if cls is None or not isinstance(t, cls):
+        return None
+    return (t._spec.mesh, tuple(t._spec.placements))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A reduction's result as a plain tensor holding the global value on every rank (one
+    collective if ``t`` is a partial DTensor); a plain tensor as it is."""
+    cls = dtensor_type()
+    if cls is not None and isinstance(t, cls):
+        return t.full_tensor()  # type: ignore[no-any-return]
+    return t

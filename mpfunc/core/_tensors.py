@@ -1,0 +1,76 @@
+"""Tensor utilities every layer uses: lazy devices, grouping positions by key, bounded
+foreach runs, and copies that own their buffer on every device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["FOREACH_CHUNK_NUMEL", "chunks", "fresh_copy", "group_indices", "is_lazy", "pick"]
+
+# One foreach call on an eager device touches at most this many elements, so the
+# temporaries it allocates (e.g. Adam's denominator) stay below ~64 MiB in fp32.
+FOREACH_CHUNK_NUMEL = 1 << 24
+
+
+def is_lazy(device: torch.device) -> bool:
+    """True for devices that trace graphs (XLA), where every op becomes a graph node."""
+    return device.type in ("xla", "lazy")
+
+
+def group_indices(
+    keys: Sequence[tuple[object, ...] | None],
+) -> dict[tuple[object, ...], list[int]]:
+    """Groups positions by key, in first-seen order; ``None`` keys are left out."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    return groups
+
+
+def chunks(
+    idx: list[int],
+    tensors: Sequence[torch.Tensor | None],
+    device: torch.device,
+    limit: int | None = None,
+) -> Iterator[list[int]]:
+    """Splits ``idx`` into runs of at most ``FOREACH_CHUNK_NUMEL`` elements (one run on lazy
+    devices). A single tensor larger than the limit forms a run of its own."""
+    if is_lazy(device):
+        yield idx
+        return
+    limit = FOREACH_CHUNK_NUMEL if limit is None else limit
+    run: list[int] = []
+    total = 0
+    for i in idx:
+        t = tensors[i]
+        n = t.numel() if t is not None else 0
+        if run and total + n > limit:
+            yield run
+            run, total = [], 0
+        run.append(i)
+        total += n
+    if run:
+        yield run
+
+
+def pick(seq: Sequence[Any], idx: Sequence[int]) -> list[Any]:
+    return [seq[i] for i in idx]
+
+
+def fresh_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A detached copy of ``t`` in ``dtype`` and ``t``'s layout, in a buffer of its own on
+    every device.
+
+    On XLA, ``copy_`` and ``.to(copy=True)`` of an unchanged dtype leave the copy holding
+    the source's device data; the first in-place write of either then donates that
+    buffer, and reading the other fails ("Trying to access XLA data ... while an async
+    operation is in flight"). ``clone`` and a dtype conversion trace a real node.
+    """
+    t = t.detach()
+    if t.dtype == dtype:
+        return t.clone(memory_format=torch.preserve_format)
+    return t.to(dtype=dtype, copy=True)

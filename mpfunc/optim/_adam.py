@@ -1,0 +1,360 @@
+"""``adam`` and ``adamw``: Adam over master trees, three implementations of one step.
+
+* ``native``: mpfunc's own CPU kernel (``_native.adam_kernel``), bit-identical to
+  ``fused`` for finite values, that also takes low-precision grads and writes rounded
+  params in the same pass. Default on CPU where it builds and the layouts allow.
+* ``fused``: torch's own fused kernels (``torch._fused_adam_``/``_fused_adamw_``),
+  the ones ``torch.optim.Adam(fused=True)`` runs. Default on CUDA, and on CPU without
+  ``native``, where the leaf's tensors share one dense layout (``_plan`` decides).
+* ``foreach``: a sync-free chain of ``torch._foreach_*`` ops; on XLA it traces into
+  one graph with no host read (about 16 nodes per leaf).
+* ``xla``: on XLA, the whole group as one traced node (``_xla_kernels``): the
+  ``foreach`` math as one cached XLA computation. Default on XLA for fp32 masters.
+* ``reference``: the same math as ``foreach``, one tensor at a time, to read.
+
+No implementation reads a tensor on the host: bias corrections are computed
+from the step tensors on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from mpfunc.backends import _native, _plan
+from mpfunc.core import _checks
+from mpfunc.core._checks import LRArg
+from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+
+class AdamState(NamedTuple):
+    """State of ``adam``/``adamw``. Every field has the masters' structure.
+
+    ``step``: 0-d float32 per leaf, on the master's device (steps taken by that leaf).
+    ``exp_avg``, ``exp_avg_sq``: first and second moments, like the masters.
+    ``max_exp_avg_sq``: the running max of ``exp_avg_sq`` with ``amsgrad``, else ``None``.
+    """
+
+    step: Any
+    exp_avg: Any
+    exp_avg_sq: Any
+    max_exp_avg_sq: Any = None
+
+
+class AdamHyper(NamedTuple):
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool  # AdamW: decay the master, not the grad
+    amsgrad: bool
+    maximize: bool
+
+
+def _fields(h: AdamHyper) -> Mapping[str, str]:
+    return _plan.fields_from(
+        step="step",
+        exp_avg="moment",
+        exp_avg_sq="square",
+        max_exp_avg_sq="square" if h.amsgrad else None,
+    )
+
+
+def _ln(beta: float) -> float:
+    """ln(beta), with ln(0) = -inf so that 1 - 0**t = -expm1(-inf) = 1."""
+    return math.log(beta) if beta > 0 else -math.inf
+
+
+def _reference(group: Group, h: AdamHyper) -> None:
+    """One tensor at a time; the op order matches ``_foreach`` exactly."""
+    s: AdamState = group.state
+    lr = group.lr
+    log_b1, log_b2 = _ln(h.beta1), _ln(h.beta2)
+    written = [*group.params, *s.step, *s.exp_avg, *s.exp_avg_sq, *(s.max_exp_avg_sq or [])]
+    with unless_skipped(group.skip, written):
+        for i, (p, g, m, v, t) in enumerate(
+            zip(group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.step)
+        ):
+            if h.maximize:
+                g = torch.neg(g)
+            t.add_(1)
+            if h.weight_decay != 0:
+                if h.decoupled:
+                    p.mul_(1 - lr * h.weight_decay)
+                else:
+                    g = g.add(p, alpha=h.weight_decay)
+            m.lerp_(g, 1 - h.beta1)
+            v.mul_(h.beta2)
+            v.addcmul_(g, g, value=1 - h.beta2)
+            if h.amsgrad:
+                vmax = s.max_exp_avg_sq[i]
+                torch.maximum(vmax, v, out=vmax)
+                v = vmax
+            # 1 - beta**t computed as -expm1(t * ln beta): accurate to fp32 rounding
+            # even while beta**t is close to 1, where 1 - beta**t in fp32 loses digits.
+            c1 = torch.mul(t, log_b1)
+            c1.expm1_()  # beta1**t - 1, negative
+            c2 = torch.mul(t, log_b2)
+            c2.expm1_()
+            c2.neg_()
+            c2.sqrt_()  # sqrt(1 - beta2**t)
+            c1.reciprocal_()
+            c1.mul_(lr)  # -lr / (1 - beta1**t)
+            denom = torch.sqrt(v)
+            denom.div_(c2)
+            denom.add_(h.eps)
+            denom.div_(c1)
+            p.addcdiv_(m, denom)
+
+
+def _bias_terms(
+    steps: list[torch.Tensor], lr: Any, h: AdamHyper
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per leaf, ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``, from the step counts.
+
+    On eager devices, one 0-d op per leaf at a time, exactly as ``_reference`` does.
+    On lazy devices (XLA) every 0-d op is a traced graph node, so the counts are
+    stacked and the terms computed once for all leaves: the same elementwise math in
+    a handful of nodes instead of eight per leaf.
+    """
+    log_b1, log_b2 = _ln(h.beta1), _ln(h.beta2)
+    if steps and _plan.is_lazy(steps[0].device):
+        st = torch.stack(steps)
+        neg = torch.reciprocal(torch.expm1(st * log_b1)) * lr
+        root = torch.sqrt(torch.neg(torch.expm1(st * log_b2)))
+        return list(torch.unbind(neg)), list(torch.unbind(root))
+    c1 = torch._foreach_mul(steps, log_b1)
+    torch._foreach_expm1_(c1)
+    c2 = torch._foreach_mul(steps, log_b2)
+    torch._foreach_expm1_(c2)
+    torch._foreach_neg_(c2)
+    torch._foreach_sqrt_(c2)
+    torch._foreach_reciprocal_(c1)
+    torch._foreach_mul_(c1, lr)
+    return list(c1), list(c2)
+
+
+def _foreach(group: Group, h: AdamHyper) -> None:
+    """The sync-free multi-tensor step; every op mirrors one line of ``_reference``.
+
+    Only the state is updated in place; temporaries are made out of place, which
+    costs XLA no memory (it fuses them) and saves it a functionalization pass per op.
+    """
+    s: AdamState = group.state
+    params, lr = group.params, group.lr
+    grads: TensorList = group.grads
+    v: TensorList = s.exp_avg_sq
+    written = [*params, *s.step, *s.exp_avg, *v, *(s.max_exp_avg_sq or [])]
+    with unless_skipped(group.skip, written):
+        if h.maximize:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(s.step, 1)
+        if h.weight_decay != 0:
+            if h.decoupled:
+                torch._foreach_mul_(params, 1 - lr * h.weight_decay)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=h.weight_decay)
+        torch._foreach_lerp_(s.exp_avg, grads, 1 - h.beta1)
+        torch._foreach_mul_(v, h.beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - h.beta2)
+        if h.amsgrad:
+            torch._foreach_maximum_(s.max_exp_avg_sq, v)
+            v = s.max_exp_avg_sq
+        neg_step, c2 = _bias_terms(s.step, lr, h)
+        denom = torch._foreach_div(torch._foreach_sqrt(v), c2)
+        denom = torch._foreach_div(torch._foreach_add(denom, h.eps), neg_step)
+        torch._foreach_addcdiv_(params, s.exp_avg, denom)
+
+
+def _fused(group: Group, h: AdamHyper) -> None:
+    """torch's fused kernel, on leaves whose tensors share one dense layout.
+
+    Steps are incremented first, as torch.optim does. With ``skip``, the kernel's own
+    ``found_inf`` flag leaves params and moments untouched on the device, and the step
+    grows by ``1 - found_inf``: exactly 0 or 1, whatever the count (a ``+ 1 - 1``
+    round trip would change counts from 2**24 on).
+    """
+    s: AdamState = group.state
+    found_inf = None if group.skip is None else group.skip.to(torch.float32)
+    if found_inf is None:
+        torch._foreach_add_(s.step, 1)
+    else:
+        torch._foreach_add_(s.step, [1 - found_inf] * len(s.step))
+    kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    kernel(
+        group.params,
+        group.grads,
+        s.exp_avg,
+        s.exp_avg_sq,
+        s.max_exp_avg_sq or [],
+        s.step,
+        lr=group.lr,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        weight_decay=h.weight_decay,
+        eps=h.eps,
+        amsgrad=h.amsgrad,
+        maximize=h.maximize,
+        grad_scale=None,
+        found_inf=found_inf,
+    )
+
+
+def _xla(group: Group, h: AdamHyper) -> None:
+    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach``'s math op
+    for op, with grads widened and divided by ``group.scale`` inside, and ``group.model``
+    written. The plan picks it on XLA for fp32 masters and state."""
+    from mpfunc.backends import _xla_kernels
+
+    s: AdamState = group.state
+    _xla_kernels.adam_xla_(
+        group.params,
+        group.grads,
+        s.exp_avg,
+        s.exp_avg_sq,
+        s.max_exp_avg_sq,
+        s.step,
+        lr=group.lr,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        eps=h.eps,
+        weight_decay=h.weight_decay,
+        decoupled=h.decoupled,
+        amsgrad=h.amsgrad,
+        maximize=h.maximize,
+        found_inf=group.skip,
+        grad_scale=group.scale,
+        model_params=group.model,
+        salts=group.salts,
+    )
+
+
+def _rule(name: str) -> Rule:
+    kernels = {
+        "reference": _reference,
+        "foreach": _foreach,
+        "fused": _fused,
+        "native": _native.adam_kernel,
+        "xla": _xla,
+    }
+    return Rule(name=name, state_type=AdamState, fields=_fields, kernels=kernels)
+
+
+def _make(
+    fn: str,
+    lr: object,
+    betas: object,
+    eps: object,
+    weight_decay: object,
+    amsgrad: bool,
+    maximize: bool,
+    impl: str,
+    decoupled: bool,
+    state_dtype: object = None,
+) -> Optimizer:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(f"{fn}: betas: expected a pair of floats, got {betas!r}")
+    h = AdamHyper(
+        beta1=_checks.real(fn, "betas[0]", betas[0], ge=0.0, lt=1.0),
+        beta2=_checks.real(fn, "betas[1]", betas[1], ge=0.0, lt=1.0),
+        eps=_checks.real(fn, "eps", eps, ge=0.0),
+        weight_decay=_checks.real(fn, "weight_decay", weight_decay, ge=0.0),
+        decoupled=decoupled,
+        amsgrad=bool(amsgrad),
+        maximize=bool(maximize),
+    )
+    chosen = _checks.choice(fn, "impl", impl, _plan.IMPLS)
+    return _plan.elementwise(
+        _rule(fn), h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+    )
+
+
+def adam(
+    lr: LRArg = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
+) -> Optimizer:
+    """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
+
+    Args:
+      lr: a float; a 0-d tensor read at every step (change it in place); or a
+        schedule, a function of the 0-d float32 step count (steps already taken)
+        returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
+      betas, eps, weight_decay, amsgrad, maximize: as in ``torch.optim.Adam``.
+      impl: ``"auto"`` (fused kernels on CPU/CUDA where layouts allow, one XLA
+        computation per group on XLA for fp32 masters, foreach elsewhere), ``"fused"``
+        (falls back to foreach, leaf by leaf, where a leaf's tensors differ in layout),
+        ``"xla"`` (XLA devices and fp32 masters only), ``"foreach"`` or ``"reference"``
+        (a per-tensor loop). Under ``torch.compile``, ``"auto"`` and ``"fused"`` trace the
+        foreach chain, which inductor fuses (torch's fused kernels, mpfunc's native and XLA
+        kernels have no functional form to compile).
+      state_dtype: how moments are stored: ``None`` (like the master), ``torch.float32``,
+        ``torch.bfloat16`` (computed in fp32, stored rounded) or ``torch.uint8``
+        (blockwise 8-bit, 2.125 bytes per element for two moments with scales).
+
+    Returns:
+      An ``Optimizer`` whose state is an ``AdamState``.
+
+    Raises:
+      TypeError, ValueError: a hyperparameter is out of range (lr < 0, betas outside
+        [0, 1), eps < 0, weight_decay < 0) or of the wrong type.
+    """
+    return _make(
+        "adam",
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        impl,
+        decoupled=False,
+        state_dtype=state_dtype,
+    )
+
+
+def adamw(
+    lr: LRArg = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
+) -> Optimizer:
+    """AdamW: Adam with decoupled weight decay, as ``torch.optim.AdamW``.
+
+    Same arguments as ``adam``; ``weight_decay`` defaults to 1e-2 and multiplies
+    the masters by ``1 - lr * weight_decay`` before the Adam step.
+
+    Example::
+
+      opt = mpfunc.adamw(lr=3e-4, weight_decay=0.1)
+      state = opt.init(masters)
+      masters, state = mpfunc.apply_update_(masters, g32, state, opt)
+    """
+    return _make(
+        "adamw",
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        impl,
+        decoupled=True,
+        state_dtype=state_dtype,
+    )

@@ -1,0 +1,161 @@
+"""``lion``: the sign-momentum optimizer of Chen et al. 2023, "Symbolic Discovery of
+Optimization Algorithms" (Algorithm 2), over master trees::
+
+    c = beta1 * m + (1 - beta1) * g          # interpolate, then take the sign
+    p = p - lr * (sign(c) + weight_decay * p)
+    m = beta2 * m + (1 - beta2) * g          # the momentum tracks with beta2
+
+One moment instead of Adam's two. torch has no Lion, so the tests check it
+against a plain per-tensor transcription of those three lines. On the CPU the default is
+mpfunc's native pass (``_native.lion_kernel``), bit for bit ``_foreach`` on the
+strategy's fp32 values, for every master strategy and state format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from mpfunc.backends import _native, _plan
+from mpfunc.core import _checks
+from mpfunc.core._checks import LRArg
+from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+
+__all__ = ["LionState", "lion"]
+
+
+class LionState(NamedTuple):
+    """State of ``lion``. Every field has the masters' structure.
+
+    ``step``: 0-d float32 per leaf (steps taken; schedules read it).
+    ``exp_avg``: the momentum, like the masters.
+    """
+
+    step: Any
+    exp_avg: Any
+
+
+class LionHyper(NamedTuple):
+    beta1: float
+    beta2: float
+    weight_decay: float
+    maximize: bool
+
+
+def _fields(h: LionHyper) -> Mapping[str, str]:
+    return {"step": "step", "exp_avg": "moment"}
+
+
+def _reference(group: Group, h: LionHyper) -> None:
+    """One tensor at a time; the op order matches ``_foreach`` exactly."""
+    s: LionState = group.state
+    lr = group.lr
+    with unless_skipped(group.skip, [*group.params, *s.step, *s.exp_avg]):
+        for p, g, m, t in zip(group.params, group.grads, s.exp_avg, s.step):
+            if h.maximize:
+                g = torch.neg(g)
+            t.add_(1)
+            if h.weight_decay != 0:
+                p.mul_(1 - lr * h.weight_decay)
+            direction = torch.lerp(m, g, 1 - h.beta1).sign_()
+            if isinstance(lr, torch.Tensor):
+                p.sub_(direction.mul_(lr))
+            else:
+                p.add_(direction, alpha=-lr)
+            m.lerp_(g, 1 - h.beta2)
+
+
+def _foreach(group: Group, h: LionHyper) -> None:
+    """The multi-tensor step; every op mirrors one line of ``_reference``."""
+    s: LionState = group.state
+    params, lr = group.params, group.lr
+    grads: TensorList = group.grads
+    with unless_skipped(group.skip, [*params, *s.step, *s.exp_avg]):
+        if h.maximize:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(s.step, 1)
+        if h.weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * h.weight_decay)
+        direction = torch._foreach_lerp(s.exp_avg, grads, 1 - h.beta1)
+        torch._foreach_sign_(direction)
+        if isinstance(lr, torch.Tensor):
+            torch._foreach_sub_(params, torch._foreach_mul(direction, lr))
+        else:
+            torch._foreach_add_(params, direction, alpha=-lr)
+        torch._foreach_lerp_(s.exp_avg, grads, 1 - h.beta2)
+
+
+def _xla(group: Group, h: LionHyper) -> None:
+    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach`` op for op;
+    see ``_adam._xla``."""
+    from mpfunc.backends import _xla_kernels
+
+    s: LionState = group.state
+    _xla_kernels.lion_xla_(
+        group.params, group.grads, s.exp_avg, s.step, lr=group.lr, beta1=h.beta1,
+        beta2=h.beta2, weight_decay=h.weight_decay, maximize=h.maximize,
+        found_inf=group.skip, grad_scale=group.scale, model_params=group.model,
+        salts=group.salts,
+    )  # fmt: skip
+
+
+_RULE = Rule(
+    name="lion", state_type=LionState, fields=_fields,
+    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla,
+             "native": _native.lion_kernel},
+)  # fmt: skip
+
+
+def _probe_cases(zero_beta: bool) -> list[tuple[LionHyper, Any]]:
+    b1, b2 = (0.0, 0.0) if zero_beta else (0.9, 0.99)
+    return [(LionHyper(b1, b2, 0.1, False), 1e-2),
+            (LionHyper(b1, b2, 0.0, True), torch.tensor(1e-2))]  # fmt: skip
+
+
+_native.register_rule(_native.lion_kernel, LionState, "exp_avg", _foreach, _probe_cases)
+
+
+def lion(
+    lr: LRArg = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+    impl: _plan.Impl = "auto",
+    state_dtype: torch.dtype | None = None,
+) -> Optimizer:
+    """Lion (Chen et al. 2023): the sign of an interpolated momentum, decoupled weight decay.
+
+    Lion's update has unit size per element, so its lr is usually 3-10x smaller than
+    AdamW's and its weight decay 3-10x larger.
+
+    Args:
+      lr: a float, a 0-d tensor, or a schedule of the step count (as in ``adamw``).
+      betas: ``(beta1, beta2)``: the interpolation for the sign, and the momentum decay.
+      weight_decay: decoupled, as in AdamW: the master is multiplied by ``1 - lr * wd``.
+      maximize: ascend instead of descend.
+      impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, mpfunc's
+        native pass on the CPU where it applies, else foreach), ``"foreach"``
+        (multi-tensor ops), ``"xla"`` or ``"reference"`` (a per-tensor loop).
+
+    Returns:
+      An ``Optimizer`` whose state is a ``LionState``.
+
+    Raises:
+      TypeError, ValueError: a hyperparameter is out of range or of the wrong type.
+    """
+    fn = "lion"
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(f"{fn}: betas: expected a pair of floats, got {betas!r}")
+    h = LionHyper(
+        beta1=_checks.real(fn, "betas[0]", betas[0], ge=0.0, le=1.0),
+        beta2=_checks.real(fn, "betas[1]", betas[1], ge=0.0, le=1.0),
+        weight_decay=_checks.real(fn, "weight_decay", weight_decay, ge=0.0),
+        maximize=bool(maximize),
+    )
+    chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference", "xla"))
+    return _plan.elementwise(
+        _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+    )

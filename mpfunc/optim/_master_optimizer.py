@@ -1,0 +1,746 @@
+"""``MasterOptimizer``: mpfunc's mixed-precision step as a real ``torch.optim.Optimizer``.
+
+Trainers, schedulers and ``GradScaler`` speak torch.optim's protocol: ``param_groups``
+(dicts of hyperparameters that schedulers rewrite), ``step()``, ``zero_grad()``,
+``state_dict()``. ``MasterOptimizer`` keeps that protocol over the model's own
+low-precision parameters and, underneath, runs mpfunc's transforms on fp32 masters:
+
+* the masters are a flat list in torch's parameter order (index ``j`` of
+  ``state_dict()["state"]`` is leaf ``j``), one label per param group;
+* each group's hyperparameters are read at every ``step()`` and built into an mpfunc
+  optimizer with the factory given (``mpfunc.adamw``, ...); the optimizers of all
+  groups run as one ``partition`` over the masters. A group is rebuilt only when one
+  of its values changed. On lazy devices (XLA) the lr is a 0-d tensor on the device,
+  refreshed from the group's float by a host-to-device copy, so a scheduler's new lr
+  never enters a traced graph as a constant;
+* ``self.state[param]`` holds the very tensors the step writes (moments, step count,
+  and the fp32 ``"master"``), so torch's ``state_dict()`` is used as is. It is the live
+  state, as in torch.optim: an entry written in place or replaced is what the next step
+  uses (``_take_up``), and an emptied entry starts that param afresh.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import operator
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.optim.optimizer import required
+
+from mpfunc.backends import _plan
+from mpfunc.core import _checks
+from mpfunc.core._checks import Side
+from mpfunc.core._optimizer import Optimizer
+from mpfunc.optim._adam import adamw
+from mpfunc.optim._migrate import native_factory
+from mpfunc.parallel import _sharding
+from mpfunc.strategies._strategy import STRATEGIES
+from mpfunc.transforms import _step_in_backward
+from mpfunc.transforms._apply_update import apply_update_
+from mpfunc.transforms._init_master import check_params, init_master
+from mpfunc.transforms._partition import partition
+
+__all__ = ["MasterOptimizer"]
+
+_MASTER = "master"
+
+
+def _master_entries(m: Any) -> dict[str, torch.Tensor]:
+    """A master's tensors as ``state_dict()`` holds them: ``{"master": fp32 tensor}`` for
+    the ``"fp32"`` strategy; for the others, the unit's buffers by field name
+    (``"remainder"``, ``"compensation"``, ``"seed"``), never the param itself, which the
+    model's own ``state_dict`` holds."""
+    if isinstance(m, torch.Tensor):
+        return {_MASTER: m}
+    return {name: t for name, t in m._asdict().items() if name != "param"}
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a hyperparameter's value, to tell whether it changed.
+    A tensor stands for itself (its value is read by the step, never by the host)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+_TAKE_UP_HINT = (
+    "MasterOptimizer.state is the live state, as in torch.optim: replace an entry with a "
+    "tensor like it (torch.zeros_like(t)), write into it (t.zero_()), or set "
+    "opt.state[p] = {} to start that param afresh"
+)
+
+
+def _check_like(fn: str, path: str, held: Any, new: Any) -> None:
+    """Raises unless ``new`` can stand in for ``held`` in the state: a tensor of its dtype,
+    shape and device; a NamedTuple (8-bit moments) of its type, field by field."""
+    if new is held:
+        return
+    if isinstance(held, tuple) and type(new) is type(held):
+        for name, a, b in zip(held._fields, held, new):  # type: ignore[attr-defined]
+            _check_like(fn, f"{path}.{name}", a, b)
+        return
+    if not isinstance(held, torch.Tensor):  # pragma: no cover - state holds tensors
+        raise TypeError(f"{fn}: at {path!r}: cannot replace {_checks.describe(held)}")
+    if not isinstance(new, torch.Tensor) or new.layout != torch.strided:
+        _checks.fail(TypeError, fn, path, f"{_checks.describe(held)} (like the one it replaces)",
+                     _checks.describe(new), _TAKE_UP_HINT)  # fmt: skip
+    if (new.dtype, new.shape, new.device) != (held.dtype, held.shape, held.device):
+        _checks.fail(ValueError, fn, path, f"{_checks.describe(held)} (like the one it replaces)",
+                     _checks.describe(new), _TAKE_UP_HINT)  # fmt: skip
+
+
+def _entry(state: Any, j: int, master: Any) -> dict[str, Any]:
+    """Param ``j``'s entry of ``opt.state`` (torch's format): its tensor of each field that
+    ``state`` (its group's mpfunc state) uses, and its master's."""
+    entry = {name: getattr(state, name)[j] for name in state._fields
+             if getattr(state, name) is not None}  # fmt: skip
+    entry.update(_master_entries(master))
+    return entry
+
+
+def _version(m: Any) -> int:
+    """An "fp32" master's version counter; -1 for none or another strategy's unit."""
+    return m._version if isinstance(m, torch.Tensor) else -1
+
+
+def _extend(state: Any, n: int) -> None:
+    """Appends ``n`` empty (``None``) slots to every field of an elementwise state whose
+    trees are flat lists: the new group's leaves belong to another label."""
+    for value in state:
+        if isinstance(value, list):
+            value.extend([None] * n)
+        elif value is not None:  # pragma: no cover - every mpfunc state field is a list here
+            raise TypeError(f"MasterOptimizer: unexpected state field {_checks.describe(value)}")
+
+
+class MasterOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that keeps fp32 masters for low-precision params.
+
+    ``step()`` reads each param's ``.grad`` in the param's dtype (bf16, fp16, fp32),
+    upcasts it, runs the mpfunc optimizer's update on the fp32 master, and rounds the
+    master back into the param (nearest-even, as ``Tensor.to``). Everything torch.optim
+    users rely on works: param groups with their own hyperparameters, every
+    ``torch.optim.lr_scheduler`` (OneCycleLR's momentum cycling included), GradScaler,
+    ``state_dict()``/``load_state_dict()`` in torch's format, HF ``Trainer``.
+
+    Args:
+      params: what torch.optim takes: an iterable of tensors, of ``(name, tensor)``
+        pairs (torch >= 2.6), or of param-group dicts whose keys override ``defaults``.
+        Params with ``requires_grad=False`` get no master and no state; one that later
+        receives a grad gets both at that step, as torch.optim makes state lazily.
+      opt: the mpfunc optimizer *factory*: ``mpfunc.adamw`` (default), ``mpfunc.adam``,
+        ``mpfunc.sgd``, ``mpfunc.lion``, or a ``functools.partial`` of one. Its keyword
+        arguments are the groups' keys (``lr``, ``betas``, ``weight_decay``, ...).
+      strategy: how masters are kept, as in ``init_master``: ``"fp32"`` (an fp32 copy
+        of each param), ``"remainder"``, ``"kahan"``, ``"stochastic"`` or ``"none"``.
+        ``state_dict()`` holds each master's tensors: ``"master"`` for ``"fp32"``, else
+        the strategy's buffer (``"remainder"``, ...); the param itself is the model's.
+      **defaults: hyperparameters for every group, passed to ``opt``; the factory's own
+        defaults fill the rest.
+
+    Every ``step()`` reads each group's values. Changing ``lr`` (what schedulers do)
+    costs nothing on CPU/CUDA and, on XLA, one host-to-device copy of a 0-d tensor: no
+    recompile, no host read. Changing another value (OneCycleLR cycles ``betas[0]``)
+    rebuilds that group's mpfunc optimizer, a few microseconds; on XLA the new value is
+    a new scalar input of the same graph. A change that needs other state (``amsgrad``
+    turned on, SGD momentum from 0) raises before anything is written.
+
+    A param written outside the optimizer (``model.load_state_dict``, a broadcast)
+    is noticed from its version counter: at the next step its master takes the new
+    values, elementwise where they differ from the rounded master, so an unchanged
+    element keeps its fp32 bits.
+
+    ``opt.state`` is the live state, as in torch.optim: what the next ``step()`` uses and
+    ``state_dict()`` saves. An entry written in place (``opt.state[p]["exp_avg"].zero_()``)
+    or replaced by a tensor like it (``= torch.zeros_like(...)``) is taken up, and a
+    ``"master"`` written so is rounded into its param; ``opt.state[p] = {}`` or
+    ``opt.state.clear()`` starts those params afresh (step 0, zero moments, masters from
+    the params). A replacement of another dtype, shape or device, or an entry with other
+    keys, is refused before anything is written.
+
+    ``torch.amp.GradScaler`` drives it through torch's ``_step_supports_amp_scaling``
+    protocol: ``scaler.step(opt)`` hands the loss scale and a device-side ``found_inf``
+    to ``step``, which divides the grads by the scale in fp32 and skips the update on the
+    device (no host read, unlike plain optimizers under GradScaler). ``scaler.unscale_(opt)``
+    before clipping works for bf16 and fp32 params; GradScaler itself refuses to unscale
+    fp16 grads, so with fp16 params call ``scaler.step(opt)`` without ``unscale_`` (and
+    clip after the step's upcast is not possible: use mpfunc's functional loop).
+
+    Example::
+
+      opt = mpfunc.MasterOptimizer(model.parameters(), mpfunc.adamw, lr=3e-4, weight_decay=0.1)
+      sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-4, total_steps=1000)
+      for x, y in loader:
+          loss_fn(model(x), y).backward()
+          opt.step()
+          sched.step()
+          opt.zero_grad()
+    """
+
+    # GradScaler passes the loss scale and found_inf as attributes (grad_scale, found_inf)
+    # and calls step() directly, without reading found_inf on the host.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        opt: Callable[..., Optimizer] = adamw,
+        *,
+        strategy: str = "fp32",
+        step_in_backward: bool = False,
+        **defaults: Any,
+    ) -> None:
+        fn = "MasterOptimizer"
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"{fn}: step_in_backward: expected a bool, got "
+                            f"{_checks.describe(step_in_backward)}")  # fmt: skip
+        # The hooks of step_in_backward=True (_step_in_backward); None for the ordinary step.
+        self._in_backward: _step_in_backward.Hooks | None = None
+        self._factory, keys, full = self._check_factory(fn, opt, defaults)
+        self._strategy = _checks.choice(fn, "strategy", strategy, tuple(STRATEGIES))
+        self._keys = keys
+        # One slot per param, in torch's order (state_dict indices).
+        self._params: list[torch.Tensor] = []
+        self._names: list[str] = []
+        self._group_of: list[int] = []
+        self._masters: list[torch.Tensor | None] = []
+        self._labels: list[str | None] = []
+        self._versions: list[int] = []
+        self._master_versions: list[int] = []  # of "fp32" masters: written through opt.state?
+        # The dict put in self.state[param] and its entries then, to notice what a user
+        # replaced there (None: no master, no state).
+        self._linked: list[tuple[dict[str, Any], tuple[str, ...], tuple[Any, ...]] | None] = []
+        self._states: dict[str, Any] = {}  # label -> that group's mpfunc state
+        self._built: dict[str, tuple[Any, Optimizer]] = {}  # label -> (values, optimizer)
+        self._lr_dev: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}
+        self._varying: set[str] = set()  # groups whose non-lr values change (XLA: foreach)
+        self._opt: Optimizer | None = None  # the partition, rebuilt when a group changes
+        super().__init__(params, full)
+        if step_in_backward:
+            self._in_backward = _step_in_backward.optimizer_hooks(self)
+
+    @staticmethod
+    def _check_factory(
+        fn: str, opt: object, defaults: dict[str, Any]
+    ) -> tuple[Callable[..., Optimizer], tuple[str, ...], dict[str, Any]]:
+        if isinstance(opt, Optimizer):
+            raise TypeError(
+                f"{fn}: opt: expected an mpfunc optimizer factory such as mpfunc.adamw, got a "
+                f"built {opt.name} optimizer, whose hyperparameters are fixed. Pass the factory "
+                "and the values: MasterOptimizer(params, mpfunc.adamw, lr=3e-4, weight_decay=0.1)"
+            )
+        if isinstance(opt, type) and issubclass(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"{fn}: opt: expected an mpfunc optimizer factory such as mpfunc.adamw, got "
+                f"{_checks.describe(opt)}. To migrate a built torch optimizer use "
+                "MasterOptimizer.from_torch(torch_opt)"
+            )
+        if not callable(opt):
+            raise TypeError(
+                f"{fn}: opt: expected an mpfunc optimizer factory such as mpfunc.adamw, got "
+                f"{_checks.describe(opt)}"
+            )
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        sig = inspect.signature(opt)
+        keys = tuple(n for n, p in sig.parameters.items() if p.kind in kinds)
+        if "lr" not in keys:
+            raise TypeError(f"{fn}: opt: expected a factory taking lr=, got {opt!r}{sig}")
+        unknown = sorted(set(defaults) - set(keys))
+        if unknown:
+            raise TypeError(
+                f"{fn}: expected hyperparameters of {getattr(opt, '__name__', opt)!s} "
+                f"({', '.join(keys)}), got {', '.join(unknown)}"
+            )
+        full: dict[str, Any] = {}
+        for name in keys:
+            default = sig.parameters[name].default
+            full[name] = required if default is inspect.Parameter.empty else default
+        full.update(defaults)
+        return opt, keys, full
+
+    @classmethod
+    def from_torch(
+        cls, torch_opt: torch.optim.Optimizer, *, strategy: str = "fp32"
+    ) -> MasterOptimizer:
+        """A ``MasterOptimizer`` over the same param groups, with the same values, as a
+        built ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (its state is not copied)."""
+        fn = "MasterOptimizer.from_torch"
+        native = native_factory(fn, torch_opt)
+        if native is None:
+            raise TypeError(
+                f"{fn}: torch_opt: expected torch.optim.Adam, AdamW or SGD, got "
+                f"{type(torch_opt).__name__}: mpfunc has no native optimizer for it (the "
+                "functional mpfunc.torch_optimizer runs any class, without schedulers)"
+            )
+        factory, keys = native
+        groups = []
+        for group in torch_opt.param_groups:
+            g = {k: group[k] for k in keys}
+            g["params"] = list(group["params"])
+            if "param_names" in group:
+                g["params"] = list(zip(group["param_names"], group["params"]))
+            groups.append(g)
+        return cls(groups, factory, strategy=strategy)
+
+    # --- groups ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch.optim's, then makes masters and state for the group's trainable params."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        i = len(self.param_groups) - 1
+        label = str(i)
+        try:
+            self._build(label, group)
+            params = list(group["params"])
+            # Masters made over the whole flat list, so that each leaf's index (the
+            # stochastic strategy's RNG stream) is its state_dict index.
+            masters = init_master(
+                [None] * len(self._params) + params, strategy=self._strategy,
+                trainable_only=True,
+            )[len(self._params):]  # fmt: skip
+            everything = [*self._params, *params]
+            check_params(
+                "MasterOptimizer", Side("params", everything, [
+                    p if p.is_floating_point() else None for p in everything
+                ]), None,
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:
+            self.param_groups.pop()
+            raise type(e)(f"MasterOptimizer: param_groups[{i}]: {e}") from e
+        n_old, n = len(self._params), len(params)
+        names = group.get("param_names") or [f"param_groups[{i}].params[{k}]" for k in range(n)]
+        self._params += params
+        self._names += list(names)
+        self._group_of += [i] * n
+        self._masters += masters
+        self._labels += [None if m is None else label for m in masters]
+        self._versions += [p._version for p in params]
+        self._master_versions += [_version(m) for m in masters]
+        self._linked += [None] * n
+        for state in self._states.values():
+            _extend(state, n)
+        self._states[label] = self._built[label][1].init([None] * n_old + masters)
+        for j in range(n_old, n_old + n):
+            self._link(j)
+        self._opt = None
+        if self._in_backward is not None:
+            for j in range(n_old, n_old + n):
+                _step_in_backward.watch_optimizer_param(self, self._in_backward, j)
+
+    def _link(self, j: int) -> None:
+        """``self.state[param]``: the step's own tensors for param ``j`` (torch's format)."""
+        p, m, label = self._params[j], self._masters[j], self._labels[j]
+        if m is None or label is None:
+            self.state.pop(p, None)
+            self._linked[j] = None
+            return
+        entry = _entry(self._states[label], j, m)
+        self.state[p] = entry
+        self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
+
+    # --- opt.state, the live state --------------------------------------------------------
+
+    def _take_up(self, fn: str) -> None:
+        """Makes what the user wrote into ``self.state`` the state the step uses, as
+        torch.optim does: a replaced entry (``state[p]["exp_avg"] = torch.zeros_like(...)``)
+        becomes the tensor the step writes, and an entry emptied or removed
+        (``state[p] = {}``, ``state.clear()``) starts that param afresh: step count 0, zero
+        moments, its master made from the param as at the start. (Writes into an entry's
+        tensor need nothing: they are the step's own tensors.)
+
+        Every change is checked before any is taken: a replacement must be a tensor of the
+        dtype, shape and device of the one it replaces; an entry keeps its keys. Costs one
+        identity test per entry when nothing changed: no tensor is read.
+        """
+        state = self.state
+        changed: list[tuple[int, dict[str, Any] | None]] = []
+        for j, (p, linked) in enumerate(zip(self._params, self._linked)):
+            if linked is None:
+                continue  # no master: torch.optim makes state at the first grad too
+            entry = state.get(p)
+            held, keys, values = linked
+            # A replaced value keeps its key's place: same keys in the same order and the
+            # same objects mean nothing was replaced, added or removed.
+            if (
+                entry is held
+                and tuple(entry) == keys
+                and all(map(operator.is_, entry.values(), values))
+            ):
+                continue
+            where = f"opt.state[{self._names[j]}]"
+            if entry:
+                if not isinstance(entry, dict) or set(entry) != set(keys):
+                    _checks.fail(
+                        ValueError, fn, where,
+                        f"the keys {sorted(keys)} (or an empty dict, to start this param afresh)",
+                        str(sorted(entry)) if isinstance(entry, dict) else _checks.describe(entry),
+                        _TAKE_UP_HINT,
+                    )  # fmt: skip
+                for k, t in zip(keys, values):
+                    _check_like(fn, f"{where}.{k}", t, entry[k])
+            changed.append((j, entry or None))
+        for j, entry in changed:
+            if entry is None:
+                self._adopt(j)  # a fresh master and state, linked anew
+            else:
+                self._replace(j, entry)
+
+    def _replace(self, j: int, entry: dict[str, Any]) -> None:
+        """Puts the entries of ``entry`` (checked) in place of the held ones for param ``j``."""
+        label, linked = self._labels[j], self._linked[j]
+        assert label is not None and linked is not None
+        state = self._states[label]
+        m: Any = self._masters[j]  # a tensor, or a strategy's unit (a NamedTuple)
+        for k, old in zip(linked[1], linked[2]):
+            new = entry[k]
+            if new is old:
+                continue
+            if k in state._fields:
+                getattr(state, k)[j] = new
+            elif isinstance(m, torch.Tensor):  # the "fp32" strategy's master itself
+                m = new
+                p = self._params[j]
+                with torch.no_grad(), _sharding.kept([p]):  # the param shows it at once
+                    p.detach().copy_(m)
+                self._versions[j] = p._version
+            else:  # a strategy's buffer (a remainder, a compensation, a seed)
+                m = m._replace(**{k: new})
+        self._masters[j] = m
+        self._master_versions[j] = _version(m)
+        self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's ``state_dict()``, of the state the next step uses (writes into
+        ``self.state`` taken up first)."""
+        self._take_up("MasterOptimizer.state_dict")
+        return super().state_dict()
+
+    def _lr_on_device(self, label: str, device: torch.device, value: float) -> torch.Tensor:
+        """The group's lr as a 0-d fp32 tensor on a lazy device, written at every step from
+        a host copy: new data for the same graph, never a traced constant.
+
+        The value travels as a 1-element 1-d tensor: torch_xla turns a 0-d host tensor into
+        a scalar, baking 0.0 and 1.0 into the graph as constants and merging inputs of
+        equal value (an lr equal to weight_decay), each a new graph to compile. It is
+        written even when unchanged, so every step traces the same graph.
+        """
+        with torch.no_grad():
+            fresh = torch.tensor([value], dtype=torch.float32).to(device).reshape(())
+            held = self._lr_dev.get((label, device))
+            if held is None:
+                t = fresh.clone()
+            else:
+                t = held[0]
+                t.copy_(fresh)
+        self._lr_dev[(label, device)] = (t, value)
+        return t
+
+    def _build(self, label: str, group: Mapping[str, Any]) -> bool:
+        """Builds the group's mpfunc optimizer from its current values, if they changed.
+        Returns whether it was rebuilt."""
+        values = {k: group[k] for k in self._keys}
+        lr = values["lr"]
+        params = group["params"]
+        if params and _plan.is_lazy(params[0].device) and not isinstance(lr, torch.Tensor):
+            lr = _checks.real(f"MasterOptimizer: param_groups[{label}]", "lr", lr, ge=0.0)
+            values["lr"] = self._lr_on_device(label, params[0].device, lr)
+        key = tuple(_freeze(v) for v in values.values())
+        held = self._built.get(label)
+        if held is not None and held[0] == key:
+            return False
+        lazy = bool(params) and _plan.is_lazy(params[0].device)
+        if held is not None and lazy:
+            # A value other than the lr changes during training (OneCycleLR's betas): the
+            # one-node XLA kernel bakes hyperparameters into its computation, which would
+            # recompile at every new value; the foreach path takes them as graph data.
+            self._varying.add(label)
+        build = dict(values)
+        if label in self._varying and build.get("impl") == "auto":
+            build["impl"] = "foreach"
+        self._built[label] = (key, self._factory(**build))
+        return True
+
+    def _optimizer(self) -> Optimizer:
+        """The partition of every group's optimizer, rebuilt when a group's values changed."""
+        changed = False
+        for i, group in enumerate(self.param_groups):
+            try:
+                changed |= self._build(str(i), group)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"MasterOptimizer.step: param_groups[{i}]: {e}") from e
+        if changed or self._opt is None:
+            opts = {label: built for label, (_, built) in self._built.items()}
+            self._opt = partition(opts, self._labels)
+        return self._opt
+
+    # --- the step -------------------------------------------------------------------------
+
+    def _made(self, j: int) -> tuple[Any, Any]:
+        """A master for param ``j`` (from the param) and its group's fresh state, made
+        aside: nothing of the optimizer's is written."""
+        p, label = self._params[j], str(self._group_of[j])
+        m = init_master([None] * j + [p], strategy=self._strategy)[j]
+        fresh = self._built[label][1].init(
+            [m if k == j else None for k in range(len(self._params))]
+        )
+        return m, fresh
+
+    def _adopt(self, j: int, made: tuple[Any, Any] | None = None) -> None:
+        """Master and state for a param that had none (frozen when added) and now has a
+        grad: made now (or ``made``, from ``_made(j)``), as torch.optim makes its state at
+        a param's first step."""
+        p, label = self._params[j], str(self._group_of[j])
+        m, fresh = self._made(j) if made is None else made
+        self._masters[j], self._labels[j] = m, label
+        self._versions[j] = p._version
+        self._master_versions[j] = _version(m)
+        state = self._states[label]
+        for name in state._fields:
+            field = getattr(state, name)
+            if field is not None:
+                field[j] = getattr(fresh, name)[j]
+        self._link(j)
+        self._opt = None
+
+    def _round_written_masters(self) -> None:
+        """An "fp32" master written in place (``opt.state[p]["master"].mul_(2)``, a load)
+        while its param was not is rounded into the param now: the step takes a param that
+        differs from its master's rounding as the truth, and would undo the write. (A
+        param written too wins, as a write to the model does.)"""
+        for j, (p, m) in enumerate(zip(self._params, self._masters)):
+            if not isinstance(m, torch.Tensor) or m._version == self._master_versions[j]:
+                continue
+            if p._version == self._versions[j]:
+                with torch.no_grad(), _sharding.kept([p]):
+                    p.detach().copy_(m)
+                self._versions[j] = p._version
+            self._master_versions[j] = m._version
+
+    def _resync(self) -> None:
+        """Masters of params written outside the optimizer take the params' new values,
+        elementwise where the param differs from the rounded master (on the device)."""
+        for j, (p, m) in enumerate(zip(self._params, self._masters)):
+            if not isinstance(m, torch.Tensor) or p._version == self._versions[j]:
+                continue  # (other strategies keep the param itself as the master's face)
+            with torch.no_grad():
+                p_ = p.detach()
+                same = m.to(p_.dtype) == p_
+                m.copy_(torch.where(same, m, p_.to(m.dtype)))
+            self._versions[j] = p._version
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        skip: torch.Tensor | None = None,
+    ) -> Any:
+        """One mixed-precision step over every param that has a ``.grad``.
+
+        Args:
+          closure: as in torch.optim: re-evaluates the model and returns the loss.
+          skip: ``None`` or a 0-d bool tensor; where true (on the device, never read
+            by the host) masters, state and params stay bit-identical.
+
+        Returns:
+          The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # type: ignore[no-untyped-call]
+                loss = closure()
+        fn = "MasterOptimizer.step"
+        skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(grads)")
+        if self._in_backward is not None:  # the leaves stepped in backward: end the step
+            _step_in_backward.optimizer_step(self, skip)
+            return loss
+        # Set by GradScaler.step (torch's _step_supports_amp_scaling protocol).
+        scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        opt = self._optimizer()
+        self._take_up(fn)
+        for j, (p, m) in enumerate(zip(self._params, self._masters)):
+            if m is None and p.grad is not None:
+                self._adopt(j)
+        if self._opt is None:
+            opt = self._optimizer()
+        if found_inf is not None:
+            inf = found_inf != 0
+            skip = inf if skip is None else torch.logical_or(skip, inf.to(skip.device))
+        self._round_written_masters()
+        self._resync()
+        grads = [None if m is None else p.grad for p, m in zip(self._params, self._masters)]
+        if all(g is None for g in grads):
+            self._master_versions = [_version(m) for m in self._masters]
+            return loss  # no param has a grad: nothing to step, as in torch.optim
+        # One pass: grads upcast (and unscaled) inside the step, params written back.
+        apply_update_(
+            self._masters, grads, self._states, opt, skip=skip, params=self._params, scale=scale
+        )
+        self._versions = [p._version for p in self._params]
+        self._master_versions = [_version(m) for m in self._masters]
+        return loss
+
+    # --- step_in_backward=True ---------------------------------------------------------------
+
+    def _step_leaf(self, j: int, p: torch.Tensor) -> None:
+        """Param ``j``'s hook (step_in_backward=True): steps that leaf alone."""
+        _step_in_backward.optimizer_leaf(self, j, p)
+
+    def close(self) -> None:
+        """Removes the hooks of ``step_in_backward=True`` from the params (idempotent; also
+        done when the optimizer is garbage-collected). After it, ``step()`` steps the grads
+        a backward left, leaf by leaf."""
+        if self._in_backward is not None:
+            self._in_backward.remove()
+
+    def __enter__(self) -> MasterOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a ``state_dict()`` of a MasterOptimizer over the same param groups.
+
+        Everything is checked first (groups, sizes, every state entry's keys, shapes and
+        dtypes; devices may differ), then the values are copied into the optimizer's own
+        tensors, so a resumed run continues bit for bit. Unlike torch.optim, floating
+        state is never cast to the param's dtype: moments and masters stay fp32. The
+        groups' hyperparameters (and a scheduler's keys) are restored as torch does.
+
+        Raises:
+          TypeError, ValueError: the dict is not such a state dict, or does not fit.
+        """
+        fn = "MasterOptimizer.load_state_dict"
+        for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        self._take_up(fn)  # the values are loaded into the state the next step uses
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise TypeError(
+                f"{fn}: expected a dict with 'state' and 'param_groups' (from state_dict()), "
+                f"got {_checks.describe(state_dict)}"
+            )
+        saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
+        saved_state = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{fn}: param_groups: expected {len(self.param_groups)} groups, got "
+                f"{len(saved_groups)}"
+            )
+        index: dict[Any, int] = {}
+        start = 0
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            n = len(group["params"])
+            if len(saved["params"]) != n:
+                raise ValueError(
+                    f"{fn}: param_groups[{i}]: expected {n} params, got {len(saved['params'])}"
+                )
+            index.update({k: start + pos for pos, k in enumerate(saved["params"])})
+            start += n
+            self._check_values(f"{fn}: param_groups[{i}]", i, saved)
+        unknown = [k for k in saved_state if k not in index]
+        if unknown:
+            raise ValueError(f"{fn}: state: expected param indices {sorted(index.values())}, got "
+                             f"{unknown[:5]}")  # fmt: skip
+        # Params that gained state after a freeze: their masters and states are made aside,
+        # checked with the others, and taken only once everything passed.
+        made: dict[int, tuple[Any, Any]] = {}
+        for k, entry in saved_state.items():
+            j = index[k]
+            if entry and self._masters[j] is None:
+                self._built_for_load(fn)
+                made[j] = self._made(j)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        saved_at = {j: k for k, j in index.items()}
+        for j, p in enumerate(self._params):
+            live: dict[str, Any] | None
+            if j in made:
+                live = _entry(made[j][1], j, made[j][0])
+            else:
+                live = self.state.get(p) if self._masters[j] is not None else None
+            entry = saved_state.get(saved_at[j]) or {}
+            where = f"state[{saved_at[j]}] ({self._names[j]})"
+            if not live:
+                if entry:
+                    raise ValueError(f"{fn}: {where}: expected no state (a frozen param), got "
+                                     f"{sorted(entry)}")  # fmt: skip
+                continue
+            if set(entry) != set(live):
+                raise ValueError(
+                    f"{fn}: {where}: expected the keys {sorted(live)}, got {sorted(entry)}"
+                )
+            for name, t in live.items():
+                s = entry[name]
+                if not isinstance(s, torch.Tensor) or s.dtype != t.dtype or s.shape != t.shape:
+                    _checks.fail(
+                        ValueError, fn, f"{where}[{name!r}]",
+                        f"{t.dtype} tensor of shape {tuple(t.shape)}", _checks.describe(s),
+                        "A MasterOptimizer state is loaded as saved, never cast",
+                    )  # fmt: skip
+                if s is not t:
+                    dst.append(t)
+                    src.append(s.to(t.device))
+        for j, pair in made.items():
+            self._adopt(j, pair)  # the tensors of dst become its state
+        _plan.copy_grouped_(dst, src)
+        for group, saved in zip(self.param_groups, saved_groups):
+            saved["params"] = group["params"]
+            if "param_names" in group:
+                saved["param_names"] = group["param_names"]
+        self.param_groups = saved_groups
+        self._opt = None
+        for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            hook(self)
+
+    def _check_values(self, where: str, i: int, values: Mapping[str, Any]) -> None:
+        """Group ``i``'s values as loaded meet the rules the constructor applies: every
+        hyperparameter of the factory present, accepted by it, and using the state fields
+        this optimizer holds for the group (turning ``amsgrad`` on needs a state it does
+        not have). Builds nothing that stays."""
+        missing = [k for k in self._keys if k not in values]
+        if missing:
+            raise ValueError(
+                f"{where}: expected the hyperparameters {', '.join(self._keys)} (those of "
+                f"{getattr(self._factory, '__name__', 'the factory')}), got no "
+                f"{', '.join(missing)}"
+            )
+        kw = {k: values[k] for k in self._keys}
+        params = self.param_groups[i]["params"]
+        try:
+            if (
+                params
+                and _plan.is_lazy(params[0].device)
+                and not isinstance(kw["lr"], torch.Tensor)
+            ):
+                _checks.real("MasterOptimizer", "lr", kw["lr"], ge=0.0)  # as _build reads it
+            fresh = self._factory(**kw).init([None])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from e
+        held = self._states.get(str(i))
+        if held is None or type(fresh) is not type(held):  # pragma: no cover - one factory
+            return
+        used = [n for n in fresh._fields if getattr(fresh, n) is not None]
+        has = [n for n in held._fields if getattr(held, n) is not None]
+        if sorted(used) != sorted(has):
+            raise ValueError(
+                f"{where}: expected values whose state this optimizer holds "
+                f"({', '.join(sorted(has))}), got values that use {', '.join(sorted(used))}. "
+                "Build the MasterOptimizer with the saved values, then load"
+            )
+
+    def _built_for_load(self, fn: str) -> None:
+        try:
+            self._optimizer()
+        except (TypeError, ValueError) as e:  # pragma: no cover - values checked at add
+            raise type(e)(f"{fn}: {e}") from e

@@ -1,0 +1,1 @@
+"""Placement across devices: SPMD sharding annotations and gloo/NCCL data parallel."""

@@ -1,0 +1,2 @@
+"""How optimizer moments are stored (float32, bfloat16, 8-bit blocks): one module per format,
+and the registry."""

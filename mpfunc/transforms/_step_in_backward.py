@@ -1,0 +1,455 @@
+"""The step inside backward: each leaf steps from its param's post-accumulate-grad hook.
+
+``loss.backward()`` completes the grads one param at a time. A hook registered with
+``Tensor.register_post_accumulate_grad_hook`` runs as soon as a param's grad is complete;
+there the leaf is stepped alone (``apply_update_`` on one-leaf trees: the same checks,
+strategies, state formats, kernels and back ends as the whole step) and its grad freed
+(``param.grad = None``). The full grad tree never exists: the grads alive at any time are
+the ones autograd is still summing, and at most one finished grad.
+
+A leaf stepped alone gives the bits the whole step gives it, because every optimizer here
+is elementwise: each leaf's update reads only its own master, grad, state and step count.
+The one thing that depends on the leaf's place in the tree, the salt of the 8-bit second
+moment's stochastic rounding, is restored by ``_salted`` (a one-leaf tree puts every leaf
+at place 0). A partition (labels) or a ``torch_optimizer`` is stepped over the whole tree
+with every other grad ``None`` (the same bits; its Python checks then cost one pass over
+the tree per leaf).
+
+What cannot work leaf by leaf is refused: a global-norm clip and a dynamic loss scale
+need every grad before any leaf steps, and gradient accumulation needs grads that outlive
+the backward. A second backward before the step's end (``end_step()``, or the
+``MasterOptimizer``'s ``step()``) would step a leaf twice: it raises in the hook, before
+that leaf is written again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpfunc.core import _checks, _tree
+from mpfunc.core._optimizer import Optimizer, Step, Work
+from mpfunc.strategies import _strategy
+from mpfunc.transforms import _loss_scale
+from mpfunc.transforms._apply_update import apply_update_
+
+__all__ = ["StepInBackward", "step_in_backward"]
+
+_FN = "step_in_backward"
+
+# Why each whole-tree feature is refused, and what to do instead (one wording for both APIs).
+WHOLE_TREE = (
+    "each leaf steps inside backward as soon as its own grad is complete, before the other "
+    "grads exist"
+)
+_SECOND_BACKWARD = (
+    "{where}: {leaf} received a second grad before the step ended ({end}): it has already "
+    "stepped (and its grad was freed) in this step's backward. Gradient accumulation "
+    "across micro-batches and a second backward (retain_graph=True) cannot work with the "
+    "step inside backward, because " + WHOLE_TREE + ". Call {end} after every backward, or "
+    "accumulate without step_in_backward"
+)
+
+
+def _salted(opt: Optimizer, place: int) -> Optimizer:
+    """``opt`` stepping a one-leaf tree whose leaf sits at ``place`` in the whole tree: the
+    salts of the 8-bit moments' draws (each leaf's place) are moved there."""
+    if place == 0:
+        return opt
+    inner = opt.plan
+
+    def plan(step: Step, state: Any, fn: str) -> list[Work]:
+        return [_moved(w, place) for w in inner(step, state, fn)]
+
+    return opt._replace(plan=plan)
+
+
+def _moved(work: Work, place: int) -> Work:
+    salts = getattr(work.group, "salts", None)
+    if not salts:
+        return work
+    return work._replace(group=work.group._replace(salts=[place + s for s in salts]))
+
+
+def one_leaf_state(state: Any, leaves: list[list[Any] | None], j: int) -> Any:
+    """An elementwise state NamedTuple over leaf ``j`` alone: each used field a one-item
+    list holding leaf ``j``'s own tensor (or 8-bit unit), which the step writes in place.
+    ``leaves``: each field's flat leaves (``None`` for an unused field)."""
+    return type(state)(*[None if f is None else [f[j]] for f in leaves])
+
+
+# Every live set of hooks: a clip over grads they freed is refused (``refuse_clip``).
+_LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()
+
+
+def refuse_clip(fn: str, leaves: list[Any]) -> None:
+    """Raises when ``fn`` (a global-norm clip) gets only ``None`` grads while hooks of the
+    step inside backward have stepped leaves and freed their grads in this step: clipping
+    then would silently clip nothing."""
+    if (
+        leaves
+        and all(g is None for g in leaves)
+        and any(h.handles and h.stepped for h in list(_LIVE))
+    ):
+        raise ValueError(
+            f"{fn}: grads: expected grads, got None for every leaf: the step inside backward "
+            f"(step_in_backward) has already stepped and freed them. A global-norm clip "
+            f"needs the norm of every grad before any leaf steps, but {WHOLE_TREE}. Clip "
+            "without step_in_backward (the ordinary step), or train without the clip"
+        )
+
+
+class Hooks:
+    """Post-accumulate-grad hooks on a list of params, calling ``fire(j, param)``.
+
+    ``strong``: the hooks keep ``fire``'s owner alive (the functional handle: a hook the
+    user let go of must keep stepping, as torch's hooks do). Otherwise they hold it
+    weakly, and the hooks are removed when the owner (a ``MasterOptimizer``) is
+    collected. ``stepped``: the leaves stepped since the step began.
+    """
+
+    def __init__(self, fire: Callable[[int, torch.Tensor], None], *, strong: bool) -> None:
+        self._fire: Callable[[], Callable[[int, torch.Tensor], None] | None]
+        self._strong = strong
+        if strong:
+            self._fire = lambda: fire
+        else:
+            self._fire = weakref.WeakMethod(fire)
+        self.handles: list[Any] = []
+        self.stepped: set[int] = set()
+        self.begun = False  # the step's once-per-step work is done
+        # Removes the hooks when this object is collected (it holds no param, and the
+        # hooks hold it weakly): never a hook left stepping for a dead optimizer.
+        self._finalizer = weakref.finalize(self, _remove, self.handles)
+        _LIVE.add(self)
+
+    def watch(self, j: int, p: torch.Tensor) -> None:
+        # Strong: the param's hook keeps these hooks (and their owner) alive; weak: they
+        # live as long as their owner.
+        ref = (lambda: self) if self._strong else weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            hooks = ref()
+            fire = None if hooks is None else hooks._fire()
+            if fire is not None:
+                fire(j, param)
+
+        self.handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def remove(self) -> None:
+        _remove(self.handles)
+        self.end()
+
+    @property
+    def removed(self) -> bool:
+        return not self.handles
+
+    def end(self) -> None:
+        self.stepped = set()
+        self.begun = False
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def check_param(fn: str, path: str, p: torch.Tensor) -> None:
+    """A param whose grad a hook can see: a leaf tensor (autograd accumulates only into
+    leaves). Raises naming ``path`` otherwise."""
+    if not isinstance(p, torch.Tensor) or p.grad_fn is not None:
+        _checks.fail(
+            ValueError, fn, path, "a leaf tensor (a model's parameter)", _checks.describe(p),
+            "The step inside backward hooks the params autograd accumulates grads into",
+        )  # fmt: skip
+
+
+def check_no_grad(fn: str, path: str, p: torch.Tensor) -> None:
+    """No grad waiting in ``p.grad``: the next backward would add to it, and the hook would
+    step the sum."""
+    if p.grad is not None:
+        _checks.fail(
+            ValueError, fn, path, "a param without a .grad (from optimizer.zero_grad())",
+            f"a grad: {_checks.describe(p.grad)}",
+            "The step inside backward steps each grad as it completes; a grad left from "
+            "before would be added to the next one. Call zero_grad(set_to_none=True) first",
+        )  # fmt: skip
+
+
+def refuse_data_parallel(fn: str) -> None:
+    """Raises in a process group of more than one rank: DDP, FSDP and mpfunc's own
+    reductions average the grads after they accumulate, and the hooks would step each
+    leaf with this rank's grad alone (replicas would silently drift apart)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"{fn}: expected a single process, got a process group of "
+            f"{dist.get_world_size()} ranks: data parallel training reduces the grads across "
+            f"ranks after they accumulate, but {WHOLE_TREE}, so each rank would step with its "
+            "own grads. Use the ordinary step for data parallel training"
+        )
+
+
+def refuse_dynamic_scale(fn: str, scale: object) -> None:
+    if isinstance(scale, _loss_scale.DynamicLossScale):
+        raise TypeError(
+            f"{fn}: scale: expected None, a float, a 0-d tensor or a StaticLossScale, got a "
+            f"DynamicLossScale: its overflow check (all_finite over every grad) spans the "
+            f"whole tree, but {WHOLE_TREE}. Train bf16 without a loss scale, use a static "
+            "scale, or use apply_update_ with the dynamic one"
+        )
+
+
+class StepInBackward:
+    """The handle of ``step_in_backward``: its hooks step the leaves during each backward.
+
+    ``end_step()`` closes a step (each leaf steps at most once between two calls: a second
+    grad raises, as gradient accumulation and ``retain_graph`` backwards would step a leaf
+    twice). ``remove()`` (or leaving a ``with`` block) takes the hooks off the params;
+    until then they stay, as torch's hooks do, even if this handle is dropped.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor | None],
+        paths: list[str],
+        params_tree: Any,
+        masters: Any,
+        state: Any,
+        opt: Optimizer,
+        scale: Any,
+        stats: Any,
+    ) -> None:
+        self._params = params
+        self._paths = paths
+        self._params_tree = params_tree
+        self._all: list[Any] = _tree.flatten(params_tree)[0]
+        self._masters_tree, self._state, self._opt = masters, state, opt
+        self._scale, self._stats_tree = scale, stats
+        self._masters = _tree.flatten(masters, units=True)[0]
+        self._spec = _tree.flatten(params_tree)[1]
+        self._stats = None if stats is None else _tree.flatten(stats, units=True)[0]
+        # An elementwise optimizer's state is a NamedTuple of trees: each leaf steps on its
+        # own one-leaf trees. A partition's (a dict by label) or torch.optim's state steps
+        # over the whole trees, every other grad None.
+        self._alone = opt.functional and isinstance(state, tuple) and hasattr(state, "_fields")
+        self._fields: list[list[Any] | None] = []
+        if self._alone:
+            self._fields = [None if f is None else _tree.flatten(f, units=True)[0] for f in state]
+        self._hooks = Hooks(self._fire, strong=True)
+        for j, p in enumerate(params):
+            if p is not None:
+                self._hooks.watch(j, p)
+
+    def _fire(self, j: int, p: torch.Tensor) -> None:
+        if j in self._hooks.stepped:
+            raise RuntimeError(_SECOND_BACKWARD.format(
+                where=_FN, leaf=self._paths[j], end="handle.end_step()"
+            ))  # fmt: skip
+        grad = p.grad
+        if self._alone:
+            stats = None if self._stats is None else [self._stats[j]]
+            apply_update_(
+                [self._masters[j]], [grad], one_leaf_state(self._state, self._fields, j),
+                _salted(self._opt, j), params=[p], scale=self._scale, stats=stats,
+            )  # fmt: skip
+        else:
+            grads = _tree.unflatten(self._spec, [grad if k == j else None
+                                                 for k in range(len(self._params))])  # fmt: skip
+            apply_update_(
+                self._masters_tree, grads, self._state, self._opt,
+                params=self._params_tree, scale=self._scale,
+                stats=self._stats_tree,
+            )  # fmt: skip
+        p.grad = None  # the point: this grad's memory is free before the next one completes
+        self._hooks.stepped.add(j)
+
+    def end_step(self) -> None:
+        """Ends a step: each leaf may step once more (at the next backward).
+
+        Raises:
+          ValueError: a param that was frozen when the hooks were made holds a grad now: it
+            has no hook, so nothing would step it and the next backward would add to it.
+        """
+        self._hooks.end()
+        for j, (x, q) in enumerate(zip(self._masters, self._all)):
+            if x is not None and q is not None and self._params[j] is None and q.grad is not None:
+                raise ValueError(
+                    f"{_FN}: {self._paths[j]}: expected no grad (it required none when the "
+                    f"hooks were made, so it has no hook), got one. Call handle.remove() and "
+                    f"step_in_backward(...) again after changing requires_grad"
+                )
+
+    def remove(self) -> None:
+        """Takes every hook off the params (idempotent)."""
+        self._hooks.remove()
+
+    @property
+    def removed(self) -> bool:
+        return self._hooks.removed
+
+    def __enter__(self) -> StepInBackward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def step_in_backward(
+    params: Any,
+    masters: Any,
+    state: Any,
+    opt: Optimizer,
+    *,
+    scale: Any = None,
+    stats: Any = None,
+) -> StepInBackward:
+    """Steps each leaf inside ``loss.backward()``, as soon as its grad is complete, then
+    frees that grad, so the full grad tree never exists::
+
+      masters = mpfunc.init_master(params, strategy="kahan")
+      state = opt.init(masters)
+      with mpfunc.step_in_backward(params, masters, state, opt) as handle:
+          for x, y in loader:
+              loss_fn(model(x), y).backward()   # steps masters, state and params
+              handle.end_step()
+
+    Each leaf's step is ``apply_update_(masters, grads, state, opt, params=params,
+    scale=scale, stats=stats)`` restricted to that leaf: the same bits as the whole step
+    after the backward. A param that receives no grad does not step.
+
+    Args:
+      params: the model's params (the tree ``init_master`` was given): leaf tensors.
+      masters, state, opt: as ``apply_update_`` takes them; written in place by the hooks.
+      scale: ``None``, a float, a 0-d tensor or a ``StaticLossScale``: the grads are divided
+        by it. A ``DynamicLossScale`` is refused (its overflow check needs every grad).
+      stats: ``None`` or a tree from ``init_stats(masters)``, filled leaf by leaf.
+
+    Returns:
+      A ``StepInBackward`` handle: ``end_step()`` after each step's backward (a second
+      backward before it raises: accumulation would step a leaf twice), ``remove()``.
+
+    Raises:
+      TypeError, ValueError: as ``apply_update_`` for the trees; a param that is not a
+        leaf tensor, or that holds a ``.grad`` already; a ``DynamicLossScale``.
+      RuntimeError (from ``backward``): a leaf's second grad before ``end_step()``.
+    """
+    fn = _FN
+    if not isinstance(opt, Optimizer):
+        raise TypeError(f"{fn}: opt: expected an mpfunc Optimizer, got {_checks.describe(opt)}")
+    refuse_data_parallel(fn)
+    refuse_dynamic_scale(fn, scale)
+    _loss_scale.scale_value(fn, scale)
+    m, m_spec = _strategy.master_leaves(fn, "masters", masters)
+    p, p_spec = _checks.tensor_leaves(fn, "params", params)
+    _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
+    if stats is not None:
+        s_spec = _tree.flatten(stats, units=True)[1]
+        _checks.check_same_structure(fn, "masters", masters, m_spec, "stats", stats, s_spec)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        for name, field in zip(state._fields, state):
+            if field is not None:
+                f_spec = _tree.flatten(field, units=True)[1]
+                _checks.check_same_structure(fn, "masters", masters, m_spec,
+                                             f"state.{name}", field, f_spec)  # fmt: skip
+    watched: list[torch.Tensor | None] = []
+    paths = _tree.leaf_paths(params, "params")
+    for i, (x, q) in enumerate(zip(m.leaves, p.leaves)):
+        if x is None or q is None or not q.requires_grad:
+            watched.append(None)  # no master, or no grad will come: never steps
+            continue
+        check_param(fn, paths[i], q)
+        check_no_grad(fn, paths[i], q)
+        watched.append(q)
+    return StepInBackward(watched, paths, params, masters, state, opt, scale, stats)
+
+
+# --- MasterOptimizer(step_in_backward=True) --------------------------------------------------
+# The optimizer's own bookkeeping (groups, live state, versions) is the ordinary step's,
+# run once per step at the first hook; each hook then steps one leaf with its group's own
+# optimizer, and ``step()`` only ends the step.
+
+_OPT = "MasterOptimizer(step_in_backward=True)"
+
+
+def optimizer_hooks(opt: Any) -> Hooks:
+    """Hooks on every param of ``opt`` that can take a grad, held weakly by them."""
+    refuse_data_parallel(_OPT)
+    hooks = Hooks(opt._step_leaf, strong=False)
+    for j in range(len(opt._params)):
+        watch_optimizer_param(opt, hooks, j)
+    return hooks
+
+
+def watch_optimizer_param(opt: Any, hooks: Hooks, j: int) -> None:
+    p = opt._params[j]
+    if not p.is_floating_point() or not p.requires_grad:
+        # No master ever, or frozen (torch hooks only params that require grad): a grad it
+        # gets after an unfreeze is stepped by step(), after the backward.
+        return
+    where = opt._names[j]
+    check_param(_OPT, where, p)
+    check_no_grad(_OPT, where, p)
+    hooks.watch(j, p)
+
+
+def optimizer_leaf(opt: Any, j: int, p: torch.Tensor) -> None:
+    """Steps param ``j`` of ``opt`` alone, from its hook; frees its grad."""
+    hooks: Hooks = opt._in_backward
+    if j in hooks.stepped:
+        raise RuntimeError(_SECOND_BACKWARD.format(
+            where=_OPT, leaf=opt._names[j], end="opt.step()"
+        ))  # fmt: skip
+    if not hooks.begun:  # once per step, what the ordinary step does before its update
+        opt._optimizer()  # the groups' current values (an lr a scheduler just set)
+        opt._take_up(_OPT)
+        opt._round_written_masters()
+        opt._resync()
+        hooks.begun = True
+    if opt._masters[j] is None:
+        opt._adopt(j)  # frozen when added, trained now: state made as at a first step
+    label = opt._labels[j]
+    sub = opt._built[label][1]
+    state = opt._states[label]
+    master = opt._masters[j]
+    apply_update_(
+        [master], [p.grad], one_leaf_state(state, list(state), j), _salted(sub, j),
+        params=[p],
+    )  # fmt: skip
+    p.grad = None
+    opt._versions[j] = p._version
+    opt._master_versions[j] = master._version if isinstance(master, torch.Tensor) else -1
+    hooks.stepped.add(j)
+
+
+def optimizer_step(opt: Any, skip: torch.Tensor | None) -> None:
+    """``step()`` of an optimizer whose leaves stepped inside backward: refuses what needed
+    the whole tree, steps any grad that arrived without a backward (set by hand), and ends
+    the step."""
+    hooks: Hooks = opt._in_backward
+    stepped = bool(hooks.stepped)
+    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        hooks.end()
+        opt.grad_scale = opt.found_inf = None
+        raise RuntimeError(
+            f"{_OPT}.step: called by torch.amp.GradScaler, whose inf check spans every grad, "
+            f"but {WHOLE_TREE}: the leaves already stepped with the scaled grads. Drop the "
+            "GradScaler (train bf16 without one) or build the optimizer without "
+            "step_in_backward"
+        )
+    if skip is not None:
+        hooks.end()
+        raise ValueError(
+            f"{_OPT}.step: skip: expected None, got {_checks.describe(skip)}: "
+            f"{WHOLE_TREE}{', and they have stepped' if stepped else ''}. Decide a skip "
+            "before the backward, or build the optimizer without step_in_backward"
+        )
+    late = [j for j, p in enumerate(opt._params) if p.grad is not None and j not in hooks.stepped]
+    for j in late:  # a grad written by hand, or accumulated outside the hooks' reach
+        if opt._params[j].is_floating_point():
+            optimizer_leaf(opt, j, opt._params[j])
+    hooks.end()
