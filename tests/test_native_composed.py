@@ -250,3 +250,24 @@ def test_fused_8bit_blocks_equal_the_tiles(
         return params, masters, state
 
     assert_trees_bits_equal(run(False), run(True), nan_payload=False)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_momentum_above_bf16s_largest_keeps_its_8bit_block(strategy: str) -> None:
+    # SGD's first momentum is the grad itself: 3.39e38 is finite in fp32 but above bf16's
+    # largest value, and its block's scale is clamped (not inf). Native and torch paths agree.
+    def run(impl: str) -> Any:
+        params = {"w": torch.linspace(-1, 1, 96).bfloat16()}
+        masters = mpfunc.init_master(params, strategy=strategy, seed=1)
+        opt = mpfunc.sgd(lr=0.0, momentum=0.9, state_dtype=torch.uint8, impl=impl)
+        state = opt.init(masters)
+        g = torch.linspace(-1, 1, 96)
+        g[5] = 3.39e38
+        kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
+        masters, state = mpfunc.apply_update_(masters, {"w": g}, state, opt, **kw)
+        return params, masters, state
+
+    want, got = run("foreach"), run("auto")
+    assert_trees_bits_equal(got, want, nan_payload=False)
+    buf = got[2].momentum_buffer["w"]
+    assert bool(buf.scale.float().isfinite().all())

@@ -177,6 +177,22 @@ def test_non_finite_stays_in_its_element(device: torch.device, signed: bool) -> 
         assert bool(out.cpu()[mask].isfinite().all())
 
 
+def test_a_moment_above_bf16s_largest_keeps_its_block(device: torch.device) -> None:
+    """A first moment above bf16's largest value (up to fp32's) clamps its block's scale to
+    bf16's largest instead of rounding it to inf, which decoded the whole block as NaN."""
+    x = torch.linspace(-1.0, 1.0, 64)
+    x[3] = 3.4e38
+    x[40] = -3.4e38
+    q = Q.quantize(x.to(device), True)
+    out = Q.dequantize(q).cpu()
+    big = torch.finfo(torch.bfloat16).max
+    assert q.scale.cpu().float().tolist() == [big, big]
+    assert bool(out.isfinite().all())
+    assert float(out[3]) == big and float(out[40]) == -big
+    # the block's other elements keep their sign and order (the scale is huge beside them)
+    assert int(q.codes.cpu()[3]) == 127 and int(q.codes.cpu()[40]) == -127
+
+
 def test_unsigned_mark_is_inf_in_an_all_zero_block(device: torch.device) -> None:
     """A block whose finite values are all 0 has scale 0; its mark still decodes to +inf
     (not 0 * inf = NaN), and its zeros stay 0."""

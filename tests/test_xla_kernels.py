@@ -961,3 +961,33 @@ def test_pair_agrees_with_cpu(xla_device: torch.device, strategy: str, state_dty
         tol = RTOL if a.dtype == torch.float32 else 2.0**-7
         err = float((a.double() - b.double()).abs().max())
         assert err <= tol * float(b.double().abs().max()), (i, a.dtype, err)
+
+
+def test_8bit_scale_above_bf16s_largest_is_clamped_in_the_node(xla_device: torch.device) -> None:
+    """SGD's first momentum is the grad: 3.39e38 is above bf16's largest value, and the
+    node clamps its block's scale as ``_quantize`` does (not inf, which decoded the block
+    as NaN): the node, the foreach path on XLA and the CPU give the same codes and scales."""
+
+    def run(impl: str, dev: torch.device) -> list[torch.Tensor]:
+        params = {"w": torch.linspace(-1, 1, 64).to(dev)}
+        masters = mpfunc.init_master(params, strategy="fp32")
+        opt = mpfunc.sgd(lr=0.0, momentum=0.9, impl=impl, state_dtype=torch.uint8)  # type: ignore[arg-type]
+        state = opt.init(masters)
+        g = torch.linspace(-1, 1, 64)
+        g[5] = 3.39e38
+        mpfunc.apply_update_(masters, {"w": g.bfloat16().float().to(dev)}, state, opt)
+        buf = state.momentum_buffer["w"]
+        if dev.type == "xla":
+            _sync()
+        return [buf.codes.cpu(), buf.scale.cpu()]
+
+    node, foreach, cpu = (
+        run("auto", xla_device),
+        run("foreach", xla_device),
+        run("foreach", torch.device("cpu")),
+    )
+    assert bool(cpu[1].float().isfinite().all())
+    for got in (node, foreach):
+        assert torch.equal(got[0], cpu[0]) and torch.equal(
+            got[1].view(torch.int16), cpu[1].view(torch.int16)
+        )

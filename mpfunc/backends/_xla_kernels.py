@@ -740,7 +740,9 @@ class _B:
         if not signed:
             vals = vals.sqrt()
         amax = self.abs(vals).reduce(self.f32(-math.inf), lambda a, c: a.max(c), [1])
-        scale = amax.cast("bf16")
+        from mpfunc.state_formats._quantize import BF16_MAX
+
+        scale = amax.min(self.f32(BF16_MAX)).cast("bf16")  # (_quantize._encode)
         s = scale.cast("f32")
         den = (s > zero).select(s, s.ones_like()).broadcast_in_dim([nb, 32], [0])
         y = self.flush(vals / den)

@@ -93,6 +93,9 @@ _U_LEVELS = 254  # unsigned codes 0..254
 _S_NAN = -128
 _U_NAN = 255
 _TINY = 2.0**-126  # fp32's smallest normal
+# bf16's largest finite value: a block's scale is clamped to it, so a moment above it (up to
+# fp32's largest) does not round its scale to inf and the rest of its block to NaN.
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 class QState(NamedTuple):
@@ -217,12 +220,12 @@ def _encode(
         vals = torch.sqrt(vals)
     # The scale covers finite values only: a NaN or inf marks its own element, and its
     # block's other elements keep their precision.
-    scale = vals.abs().amax(dim=1).to(SCALE_DTYPE)
+    scale = vals.abs().amax(dim=1).clamp(max=BF16_MAX).to(SCALE_DTYPE)
     s = scale.to(torch.float32)
     # An all-zero block has scale 0; dividing by 1 instead keeps its codes 0 without a branch.
     y = _flush(vals / torch.where(s > 0, s, 1.0).unsqueeze(1))
-    # Rounding the scale to bf16 can put |y| up to 2**-9 above 1; the clamps keep it on
-    # the top code, within half a code step.
+    # Rounding the scale to bf16 can put |y| up to 2**-9 above 1 (2**-8 where the scale is
+    # clamped to bf16's largest value); the clamps keep it on the top code.
     t = (y + y) / (y.abs() + 1.0)
     levels, low = (_S_LEVELS, -_S_LEVELS) if signed else (_U_LEVELS, 0)
     if noise is None:

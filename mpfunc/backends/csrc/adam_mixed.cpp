@@ -868,6 +868,8 @@ constexpr std::int64_t kTile = 1024;
 constexpr std::int64_t kSmallTile = 256;
 constexpr std::int64_t kQBlock = 32;
 constexpr float kTiny = 0x1.0p-126f;  // fp32's smallest normal
+// bf16's largest finite value: block scales are clamped to it (_quantize.BF16_MAX).
+constexpr float kBF16Max = 0x1.FEp127f;
 
 // ---- _rng: MurmurHash3's finalizer as a counter-based generator ----------------------------
 constexpr u32 kGolden = 0x9E3779B1u;
@@ -1014,7 +1016,7 @@ void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* s
     for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
     const float amax = at::vec::vec_reduce_all<float>(
         [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
-    const u16 scale = BF16::store(amax);
+    const u16 scale = BF16::store(std::min(amax, kBF16Max));
     scales[b / kQBlock + k] = scale;
     const float sf = BF16::load(scale);
     // An all-zero block has scale 0; dividing by 1 instead keeps its codes 0.
@@ -1495,7 +1497,7 @@ struct FU8 {
       if constexpr (!kSigned) v[h] = _mm512_sqrt_ps(v[h]);
     }
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    const u16 sc = BF16::store(amax);
+    const u16 sc = BF16::store(std::min(amax, kBF16Max));
     *scale = sc;
     const float sf = BF16::load(sc);
     const __m512 dd = _mm512_set1_ps(sf > 0.0f ? sf : 1.0f);
