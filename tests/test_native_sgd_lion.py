@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import mpfunc
 from mpfunc.backends import _native
-from mpfunc.core import _checks
+from mpfunc.core import _cache
 from mpfunc.core._optimizer import Group
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
@@ -273,7 +273,7 @@ def test_the_probe_agrees_here_and_a_disagreeing_torch_keeps_the_torch_path(
     assert _serves("sgd") and _serves("lion") and _serves("lion", (0.0, 0.0))
     monkeypatch.setattr(_native, "_serving", {})
     monkeypatch.setattr(_native, "_rule_probe", lambda kernel, zero_beta: False)
-    with _checks.memo_off():
+    with _cache.memo_off():
         for opt in (mpfunc.sgd(lr=0.1, momentum=0.9), mpfunc.lion(lr=0.1)):
             masters = {"w": torch.randn(100)}
             state = opt.init(masters)
