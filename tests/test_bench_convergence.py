@@ -62,14 +62,19 @@ def test_convergence_smoke(tmp_path: Path) -> None:
         assert r["final_val_loss"] < math.log(vocab)
         assert r["val_curve"][0][0] == 0 and r["val_curve"][-1][0] == steps
         d = r["diag"]
-        measured = ("unchanged",) if r["row"].startswith("peer/") else ("stale", "lost")
+        # (peers and the step inside backward take no mpfunc stats: stale/lost unmeasured)
+        unmeasured = r["row"].startswith("peer/") or r["row"] == "step-in-backward"
+        measured = ("unchanged",) if unmeasured else ("stale", "lost")
         assert d["per_step"] and all(0.0 <= d[k] <= 1.0 for k in ("unchanged", *measured))
         assert r["bytes_per_param"] > 0 and len(r["fp32_sha256"]) == 64
         # The peak holds what is held, and the grads (fp32 or bf16) unless freed in backward.
         mem = r["memory_per_param"]
         grad = 4 if ROWS[r["row"]].model_dtype == "float32" else 2
         assert mem["persistent"] == pytest.approx(r["bytes_per_param"], abs=0.01)
-        assert mem["persistent"] + grad - 0.01 <= mem["peak"] < mem["total"], r["row"]
+        if r["row"] == "step-in-backward":  # grads freed leaf by leaf: below a grad tree
+            assert mem["persistent"] - 0.01 <= mem["peak"] < mem["persistent"] + grad, mem
+        else:
+            assert mem["persistent"] + grad - 0.01 <= mem["peak"] < mem["total"], r["row"]
 
     runs = {(r["row"], r["seed"]): r for r in ok}
     for s in seeds:

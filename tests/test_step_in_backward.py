@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from support.helpers import assert_bits_equal
 
 import mpfunc
+from mpfunc.transforms import _step_in_backward
 
 STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
 STATE_DTYPES = [torch.float32, torch.bfloat16, torch.uint8]
@@ -47,6 +48,15 @@ class Net(torch.nn.Module):
         if self.scale is not None:
             h = h * self.scale
         return h @ self.emb.weight.t()  # tied: the embedding is the head too
+
+
+@pytest.fixture(autouse=True)
+def _no_hooks_left_behind() -> Any:
+    """Hooks a test leaves registered (a functional handle keeps stepping until removed)
+    must not reach later tests: a live handle that stepped makes an all-None clip refuse."""
+    yield
+    for hooks in list(_step_in_backward._LIVE):
+        hooks.remove()
 
 
 def make_net(scalar: bool = True, device: torch.device | str = "cpu") -> Net:

@@ -281,11 +281,13 @@ class OptimTrainer(TorchTrainer):
                 group["lr"].fill_(lr)
             else:
                 group["lr"] = lr
+        # The params before the backward: with step_in_backward they change inside it.
+        self._before = [p.detach().clone() for p in self.params.values()] if diag else []
         return super().step(x, y, lr, i, diag)
 
     def update(self, lr: float, step: int, diag: bool) -> None:
         ps = list(self.params.values())
-        before = [p.detach().clone() for p in ps] if diag else []
+        before = self._before
         self.opt.step()  # after step_in_backward: no grad is left, nothing to do
         if diag:
             unchanged = sum(int((p.detach() == b).sum()) for p, b in zip(ps, before))
