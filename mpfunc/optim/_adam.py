@@ -28,6 +28,7 @@ from mpfunc.backends import _native, _plan
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+from mpfunc.state_formats import _state_format
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -270,7 +271,7 @@ def _make(
     )
     chosen = _checks.choice(fn, "impl", impl, _plan.IMPLS)
     return _plan.elementwise(
-        _rule(fn), h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+        _rule(fn), h, chosen, _checks.lr(fn, lr), _state_format.check(fn, state_dtype)
     )
 
 
