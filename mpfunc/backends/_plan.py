@@ -506,7 +506,7 @@ def _run_mixed(mx: Mixed, hyper: Any) -> None:
     state = {}
     for name, kind in mx.kinds.items():
         xs = mx.fields[name]
-        state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute)
+        state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute, values)
     # For stats: the values and the params before the step (a unit's own param, or the
     # model params the step writes; none when it writes no param).
     watched = [u.param for u in mx.masters] if mx.strategy.unit else mx.model
@@ -750,7 +750,7 @@ def _decide(
         # Encoded moments load as contiguous fp32 temporaries: their format says which
         # tensor's layout stands in (8-bit: the codes').
         tensors = [
-            t if isinstance(t, torch.Tensor) else _state_format.of_moment(t).layout(t)  # type: ignore[union-attr]
+            t if isinstance(t, torch.Tensor) else _state_format.of_moment(t).layout(t, f)  # type: ignore[union-attr]
             for t in (lay, g if g.dtype == compute else None, *stored)
             if t is not None
         ]

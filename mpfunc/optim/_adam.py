@@ -301,8 +301,10 @@ def adam(
         foreach chain, which inductor fuses (torch's fused kernels, mpfunc's native and XLA
         kernels have no functional form to compile).
       state_dtype: how moments are stored: ``None`` (like the master), ``torch.float32``,
-        ``torch.bfloat16`` (computed in fp32, stored rounded) or ``torch.uint8``
-        (blockwise 8-bit, 2.125 bytes per element for two moments with scales).
+        ``torch.bfloat16`` (computed in fp32, stored rounded), ``torch.uint8``
+        (blockwise 8-bit, 2.125 bytes per element for two moments with scales) or
+        ``torch.uint4`` (blockwise 4-bit, 1.125 bytes; the torch path only): the formats
+        of ``state_formats/_state_format.py``'s registry.
 
     Returns:
       An ``Optimizer`` whose state is an ``AdamState``.

@@ -29,11 +29,14 @@ class StateFormat(NamedTuple):
     or its dtype is ``None``). ``problem(kind, x, like, dtype)``: what is wrong with a
     stored moment (``Problem``). ``check_init(fn, side, faces)``: raises, naming the path,
     where a leaf cannot take this format (a leaf smaller than a block). ``load(xs,
-    compute)``: fp32 (compute dtype) values of a list of stored moments (the stored
-    tensors themselves where they already are). ``store(xs, values, kind, skip, steps,
-    salts)``: writes computed values back; where ``skip`` is true every stored bit is kept;
-    ``steps`` and ``salts`` key stochastic rounding. ``layout(x)``: a tensor whose layout a
-    fused kernel would pair by (the moment, or its face-shaped codes).
+    compute, likes)``: fp32 (compute dtype) values of a list of stored moments, each
+    shaped like its ``likes`` tensor (the leaf's master values; a format that does not
+    keep the shape reads it there), or the stored tensors themselves where they already
+    are. ``store(xs, values, kind, skip, steps, salts)``: writes computed values back;
+    where ``skip`` is true every stored bit is kept; ``steps`` and ``salts`` key
+    stochastic rounding. ``layout(x, face)``: a tensor with the strides of what ``load``
+    gives for ``x`` (the moment itself, face-shaped codes, or a contiguous stand-in), for
+    the planner's choice of a fused kernel, which pairs elements by memory position.
 
     Back ends: ``native`` is the format's code in the composed CPU pass
     (``csrc``: ``composed::Format``; the container's tensors passed in order), ``None``
@@ -49,7 +52,7 @@ class StateFormat(NamedTuple):
     zeros_list: Callable[[str, list[torch.dtype | None], list[Any]], list[Any]]
     problem: Callable[[str, Any, torch.Tensor, torch.dtype], Problem]
     check_init: Callable[[str, Any, list[Any]], None]
-    load: Callable[[list[Any], torch.dtype], list[torch.Tensor]]
+    load: Callable[[list[Any], torch.dtype, list[torch.Tensor]], list[torch.Tensor]]
     store: Callable[
         [
             list[Any],
@@ -61,7 +64,7 @@ class StateFormat(NamedTuple):
         ],
         None,
     ]
-    layout: Callable[[Any], torch.Tensor]
+    layout: Callable[[Any, torch.Tensor], torch.Tensor]
     native: int | None
     xla: bool
     salted: bool

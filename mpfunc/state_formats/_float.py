@@ -47,7 +47,7 @@ def _check_init(fn: str, side: Any, faces: list[Any]) -> None:
     """Any leaf takes float moments."""
 
 
-def _load(xs: list[Any], compute: torch.dtype) -> list[torch.Tensor]:
+def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     if not xs or xs[0].dtype == compute:
         return xs
     return [x.to(compute) for x in xs]
@@ -67,7 +67,7 @@ def _store(
     torch._foreach_copy_(xs, rounded)
 
 
-def _layout(x: Any) -> torch.Tensor:
+def _layout(x: Any, face: torch.Tensor) -> torch.Tensor:
     return x  # type: ignore[no-any-return]
 
 

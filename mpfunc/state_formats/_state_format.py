@@ -10,6 +10,11 @@
   together). Second moments (``"square"`` fields) are rounded stochastically with draws
   keyed on the leaf's step count (``_rng``), so a resumed run draws the same bits; first
   moments to nearest.
+* ``torch.uint4``: 4-bit moments (``_uint4``, the codec ``_quantize4``: 32-element blocks
+  with a bf16 scale, companded 4-bit codes packed two per byte; a ``Q4State(codes,
+  scale)`` per leaf, 1.125 bytes per element for both Adam moments), rounded as at 8 bits.
+  The torch path only for now (CPU, and XLA through torch ops): the native pass and the
+  XLA node do not serve it.
 
 Every load/store is sync-free and runs on CPU, CUDA and XLA.
 
@@ -27,7 +32,7 @@ from typing import Any
 import torch
 
 from mpfunc.core import _checks, _tree
-from mpfunc.state_formats import _float, _uint8
+from mpfunc.state_formats import _float, _uint4, _uint8
 from mpfunc.state_formats._base import Problem, StateFormat, keys
 from mpfunc.state_formats._quantize import QState
 
@@ -54,6 +59,7 @@ FORMATS: dict[torch.dtype, StateFormat] = {
         _float.format_of(torch.float32, native=0),
         _float.format_of(torch.bfloat16, native=1),
         _uint8.FORMAT,
+        _uint4.FORMAT,
     )
 }
 # ``state_dtype=None``: moments like the master, plain tensors of its compute dtype.
@@ -126,13 +132,14 @@ def check_quantizable(fn: str, side: _checks.Side, faces: list[Any]) -> None:
     _uint8.FORMAT.check_init(fn, side, faces)
 
 
-def load(xs: list[Any], compute: torch.dtype) -> list[torch.Tensor]:
-    """Moments in ``compute`` dtype to run a kernel on: the stored tensors themselves when
-    they already are (written in place), else fresh temporaries."""
+def load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Moments in ``compute`` dtype to run a kernel on, each shaped like its ``likes``
+    tensor (the leaf's master values): the stored tensors themselves when they already
+    are (written in place), else fresh temporaries."""
     if not xs:
         return []
     f = of_moment(xs[0])
-    return (_LIKE_MASTER if f is None else f).load(xs, compute)
+    return (_LIKE_MASTER if f is None else f).load(xs, compute, likes)
 
 
 def store(

@@ -90,7 +90,7 @@ def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
             )
 
 
-def _load(xs: list[Any], compute: torch.dtype) -> list[torch.Tensor]:
+def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     return _quantize.dequantize_list(xs) if xs else []
 
 
@@ -115,7 +115,7 @@ def _store(
         torch._foreach_copy_([q.scale for q in xs], scales)
 
 
-def _layout(x: Any) -> torch.Tensor:
+def _layout(x: Any, face: torch.Tensor) -> torch.Tensor:
     # Moments load as contiguous fp32 temporaries: their codes' layout stands in.
     return x.codes  # type: ignore[no-any-return]
 
