@@ -50,6 +50,7 @@ from mpfunc.parallel._distributed import (
 )
 from mpfunc.parallel._sharding import mark_sharding_
 from mpfunc.state_formats._quantize import QState
+from mpfunc.state_formats._quantize4 import Q4State
 from mpfunc.strategies._strategy_kahan import KahanMaster
 from mpfunc.strategies._strategy_none import RoundedMaster
 from mpfunc.strategies._strategy_remainder import RemainderMaster
@@ -79,6 +80,7 @@ __all__ = [
     "MasterOptimizer",
     "Optimizer",
     "Policy",
+    "Q4State",
     "QState",
     "RemainderMaster",
     "RoundedMaster",

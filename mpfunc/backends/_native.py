@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 
 from mpfunc.core import _cache
+from mpfunc.state_formats import _state_format
 from mpfunc.strategies import _strategy
 
 if TYPE_CHECKING:
@@ -524,26 +525,31 @@ def _plain(master: Any, moment: Any) -> bool:
 
 
 # The native codes of the master strategies and state formats (csrc: composed::Strategy,
-# composed::Format). A strategy or format missing here takes torch's kernels.
+# composed::Format). A strategy missing here, or a format whose ``StateFormat.native``
+# is ``None``, takes torch's kernels.
 STRATEGY_CODES = {"fp32": 0, "remainder": 1, "kahan": 2, "stochastic": 3, "none": 4}
-FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+FORMAT_CODES = {f.key: f.native for f in _state_format.FORMATS.values() if f.native is not None}
+# The format codes whose stores draw random bits: the pass takes each leaf's salt.
+_SALTED = {f.native for f in _state_format.FORMATS.values() if f.salted}
 
 
 def _composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
     """A group's strategy and state-format codes and its tensors as the composed entries
     take them: (strategy, format, prims, auxs, data, scales). ``moments``: the state
-    fields, each a list over the group's leaves (none: format 0)."""
+    fields, each a list over the group's leaves (none: format 0). A format with a
+    container passes its tensors as (data, scales), in the container's field order."""
 
     first: Any = group.params[0]
     kind = _strategy.by_unit(first)
     strategy = STRATEGY_CODES["fp32" if kind is None else kind.name]
-    quantized = bool(moments) and not isinstance(moments[0][0], torch.Tensor)
-    fmt = 2 if quantized else FORMAT_CODES[moments[0][0].dtype] if moments else 0
+    held = _state_format.of_moment(moments[0][0]) if moments else None
+    quantized = held is not None and held.container is not None
+    fmt = 0 if held is None else held.native
     units: list[Any] = list(group.params)
     prims = units if kind is None else [u.param for u in units]
     auxs = [u[1] for u in units] if kind is not None and len(first) > 1 else []
-    data = [[q.codes for q in f] for f in moments] if quantized else moments
-    scales = [[q.scale for q in f] for f in moments] if quantized else []
+    data = [[q[0] for q in f] for f in moments] if quantized else moments
+    scales = [[q[1] for q in f] for f in moments] if quantized else []
     return strategy, fmt, prims, auxs, data, scales
 
 
@@ -555,7 +561,7 @@ def _composed(group: Group, h: Any) -> None:
     lr = group.lr
     load().step_composed_(
         strategy, fmt, prims, auxs, group.grads, data, scales, s.step, group.model or [],
-        list(group.salts or []) if fmt == 2 else [],
+        list(group.salts or []) if fmt in _SALTED else [],
         0.0 if isinstance(lr, torch.Tensor) else float(lr),
         lr if isinstance(lr, torch.Tensor) else None, float(h.beta1), float(h.beta2),
         float(h.eps), float(h.weight_decay), bool(h.decoupled), bool(h.amsgrad),

@@ -54,7 +54,6 @@ from mpfunc.core._tensors import (
 )
 from mpfunc.parallel import _sharding
 from mpfunc.state_formats import _state_format
-from mpfunc.state_formats._state_format import QState
 from mpfunc.strategies import _strategy, _strategy_fp32
 
 __all__ = [
@@ -100,7 +99,8 @@ def xla_applies(master: object, state: Sequence[object]) -> bool:
     """Whether a leaf can take a rule's ``"xla"`` kernel: on a torch_xla device, a plain
     float32 master tensor or a unit of a strategy the node loads and stores itself (its
     param of a dtype it takes: ``_xla_kernels.PARAM_DTYPES``), with state tensors all
-    float32 or all bfloat16, or all 8-bit ``QState``s (step counts are always float32)."""
+    one state format the node serves (``StateFormat.xla``: float32, bfloat16, 8-bit
+    ``QState``s; step counts are always float32)."""
     s = _strategy.by_unit(master)
     face = master if s is None else master.param  # type: ignore[attr-defined]
     if not isinstance(face, torch.Tensor) or not face.is_xla:  # type: ignore[attr-defined]
@@ -110,14 +110,11 @@ def xla_applies(master: object, state: Sequence[object]) -> bool:
     moments = [t for t in state if t is not None]
     if not moments:
         return True
-    first = moments[0]
-    if isinstance(first, QState):  # 8-bit moments: encoded and decoded inside too
-        return all(isinstance(t, QState) for t in moments)
-    return (
-        isinstance(first, torch.Tensor)
-        and first.dtype in (torch.float32, torch.bfloat16)
-        and all(isinstance(t, torch.Tensor) and t.dtype == first.dtype for t in moments)
-    )
+    fmt = _state_format.of_moment(moments[0])
+    if fmt is None or not fmt.xla:
+        return False
+    of = _state_format.of_moment
+    return all(of(t) is fmt for t in moments)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -223,12 +220,12 @@ _PARAM_DTYPES = {
 def _composed_fits(
     rule: Rule, s: Any, m: Any, g: torch.Tensor, stored: list[Any], param: torch.Tensor | None
 ) -> int | None:
-    """The native state-format code (``_native.FORMAT_CODES``) if the rule's ``native``
+    """The native state-format code (``StateFormat.native``) if the rule's ``native``
     kernel can take this leaf of a master strategy other than plain fp32-with-fp32-state,
-    else ``None``: on the CPU, a strategy and param dtype it knows, moments all fp32, all
-    bf16 or all 8-bit (or none: code 0), a grad and model param of its dtypes; the leaf's
-    tensors dense with one stride, and contiguous where draws (``"stochastic"``) or 8-bit
-    blocks follow the element index."""
+    else ``None``: on the CPU, a strategy and param dtype it knows, moments all of one
+    format the pass takes (or none: code 0), a grad and model param of its dtypes; the
+    leaf's tensors dense with one stride, and contiguous where draws (``"stochastic"``) or
+    a container's blocks (8-bit codes and scales) follow the element index."""
     if "native" not in rule.kernels:
         return None
     f = m if s is None else m.param
@@ -246,27 +243,24 @@ def _composed_fits(
         return None
     # Runs per leaf in a step that plans in full: loops, not generators (100,000 leaves).
     first = stored[0] if stored else None
+    blocked = False
     if first is None:  # no state (SGD without momentum)
         fmt = 0
         tensors = [f, g, aux, param]
-    elif isinstance(first, QState):
-        fmt = 2
-        for x in stored:
-            if not isinstance(x, QState):
-                return None
-        tensors = [f, g, aux, param]
-    elif isinstance(first, torch.Tensor) and first.dtype in (torch.float32, torch.bfloat16):
-        dtype = first.dtype
-        fmt = 0 if dtype == torch.float32 else 1
-        for x in stored:
-            if not isinstance(x, torch.Tensor) or x.dtype != dtype:
-                return None
-        tensors = [f, g, aux, param, *stored]
     else:
-        return None
+        of = _state_format.of_moment
+        kind = of(first)
+        if kind is None or kind.native is None:
+            return None
+        for x in stored:
+            if of(x) is not kind:
+                return None
+        fmt = kind.native
+        blocked = kind.container is not None
+        tensors = [f, g, aux, param] if blocked else [f, g, aux, param, *stored]
     if s is None and fmt == 0:
         return None  # the fp32 kernel's own case (_native_fits)
-    if fmt == 2 or (s is not None and s.name == "stochastic"):
+    if blocked or (s is not None and s.name == "stochastic"):
         for t in tensors:
             if t is not None and not t.is_contiguous():
                 return None
@@ -379,7 +373,7 @@ def _state_fields(
         if kind == "step":
             _checks.check_tensor_or_none(fn, where, value, leaves)
             _checks.check_pairs(fn, ref, side, _STEP)
-        elif state_dtype != torch.uint8 and not any(step.kinds or ()):
+        elif _state_format.chosen(state_dtype).container is None and not any(step.kinds or ()):
             # Every master a tensor, moments like it: the one pair check.
             _checks.check_tensor_or_none(fn, where, value, leaves)
             _checks.check_pairs(
@@ -512,7 +506,7 @@ def _run_mixed(mx: Mixed, hyper: Any) -> None:
     state = {}
     for name, kind in mx.kinds.items():
         xs = mx.fields[name]
-        state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute)
+        state[name] = xs if kind == "step" else _state_format.load(xs, mx.compute, values)
     # For stats: the values and the params before the step (a unit's own param, or the
     # model params the step writes; none when it writes no param).
     watched = [u.param for u in mx.masters] if mx.strategy.unit else mx.model
@@ -700,7 +694,7 @@ def _decide(
             # and one strategy and state dtype per node.
             has_model = model is not None and model[i] is not None
             name = "fp32" if s is None else s.name
-            held = getattr(stored[0], "dtype", torch.uint8) if stored else None
+            held = _state_format.of_moment(stored[0]).key if stored else None  # type: ignore[union-attr]
             keys.append((f.device, compute, "xla", None, True if has_model else None, name, held))
             continue
         if impl == "xla":
@@ -753,9 +747,10 @@ def _decide(
         # A unit's values are loaded into temporaries: dense in the param's layout where
         # the param is dense, contiguous where it is not (empty_like's preserve_format).
         lay = f if plain or _dense(f) else torch.empty(f.shape, device="meta")
-        # 8-bit moments load as contiguous fp32 temporaries: their codes' layout stands in.
+        # Encoded moments load as contiguous fp32 temporaries: their format says which
+        # tensor's layout stands in (8-bit: the codes').
         tensors = [
-            t.codes if isinstance(t, QState) else t
+            t if isinstance(t, torch.Tensor) else _state_format.of_moment(t).layout(t, f)  # type: ignore[union-attr]
             for t in (lay, g if g.dtype == compute else None, *stored)
             if t is not None
         ]
@@ -765,7 +760,7 @@ def _decide(
             and has_fused
             and not traced
             and fused_supported(f.device, compute)
-            and all(isinstance(x, (torch.Tensor, QState)) for x in stored)
+            and all(isinstance(x, (torch.Tensor, *_state_format.CONTAINERS)) for x in stored)
             and _same_layout(tensors)
         ):
             chosen = "fused"
@@ -828,8 +823,7 @@ def elementwise(
         side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
         faces = [_strategy.face(m) for m in side.leaves]
         plain = [_strategy.by_unit(m) is None for m in side.leaves]
-        if state_dtype == torch.uint8:
-            _state_format.check_quantizable(f"{rule.name}.init", side, faces)
+        _state_format.chosen(state_dtype).check_init(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
         computes = [None if f is None else _compute_dtype(f, p) for f, p in zip(faces, plain)]
         for name in rule.state_type._fields:  # type: ignore[attr-defined]

@@ -67,6 +67,7 @@ from typing import Any, NamedTuple, NoReturn, Optional, Union
 
 import torch
 
+from mpfunc.state_formats import _state_format
 from mpfunc.strategies import _strategy
 
 __all__ = ["adam_xla_", "clear_cache", "lion_xla_", "sgd_xla_"]
@@ -195,6 +196,11 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Moments the node loads (widened to fp32) and stores (rounded to nearest even), as
 # ``_state_format.load``/``store`` do: one dtype per group.
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+# The state formats the node serves (``StateFormat.xla``), by key; ``torch.uint8``, the
+# 8-bit ``QState``, is the one encoded format whose codec the node carries (``decode``,
+# ``encode`` below). A format not served here takes the foreach path.
+_SERVED = {k for k, f in _state_format.FORMATS.items() if f.xla}
+_SALTED = {k for k, f in _state_format.FORMATS.items() if f.salted}
 
 # The master strategies whose ``load`` and ``store`` the node does itself, with the param
 # dtypes it takes for each ("fp32": the master is a plain float32 tensor). ``_plan``'s
@@ -299,7 +305,7 @@ def _gather(
     if group is None:
         _explain(fn, strategy, params, grads, moments, steps, model_params)
     assert group is not None
-    if group.types and torch.uint8 in _moment_kinds(moments):
+    if group.types and _moment_kinds(moments) & _SALTED:
         if salts is None or len(salts) != n:
             raise ValueError(
                 f"{fn}: salts: expected {n} ints (each leaf's place in the tree: 8-bit "
@@ -310,13 +316,14 @@ def _gather(
 
 
 def _moment_kinds(moments: Sequence[tuple[str, Sequence[Any]]]) -> set[Optional[torch.dtype]]:
-    """The moments' stored dtypes: ``torch.uint8`` stands for an 8-bit ``QState``."""
-    from mpfunc.state_formats._quantize import QState
-
+    """The moments' state formats by key (``torch.uint8`` stands for an 8-bit ``QState``),
+    else their dtypes."""
+    of = _state_format.of_moment
     return {
-        torch.uint8 if isinstance(t, QState) else getattr(t, "dtype", None)
+        getattr(t, "dtype", None) if f is None else f.key
         for _, seq in moments
         for t in seq
+        for f in (of(t),)
     }
 
 
@@ -353,7 +360,7 @@ def _layout(
             for (s, dev), d in zip(psig, ptypes)
         ]
     kinds = _moment_kinds(moments) if moments else {torch.float32}
-    ok = ok and len(kinds) == 1 and kinds <= {*_MOMENT_DTYPES, torch.uint8}
+    ok = ok and len(kinds) == 1 and kinds <= _SERVED
     mdtype = next(iter(kinds))
     held: list[list[Any]] = [list(seq) for _, seq in moments]
     extents = ["face"] * len(moments)

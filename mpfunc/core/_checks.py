@@ -272,18 +272,6 @@ def lr(fn: str, value: object) -> LRArg:
     return real(fn, "lr", value, ge=0.0)
 
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
-
-
-def state_dtype(fn: str, dtype: object) -> torch.dtype | None:
-    """``None`` (moments like the master) or one of ``STATE_DTYPES``."""
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in STATE_DTYPES):
-        return dtype
-    names = ", ".join(str(d) for d in STATE_DTYPES)
-    kind = ValueError if isinstance(dtype, torch.dtype) else TypeError
-    raise kind(f"{fn}: state_dtype: expected None or one of {names}, got {dtype!r}")
-
-
 def master_dtype(fn: str, dtype: object) -> torch.dtype | None:
     """``None`` (each master at least fp32 and never narrower than its param) or a master
     dtype, float32 or float64."""

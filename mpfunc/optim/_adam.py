@@ -28,6 +28,7 @@ from mpfunc.backends import _native, _plan
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+from mpfunc.state_formats import _state_format
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -270,7 +271,7 @@ def _make(
     )
     chosen = _checks.choice(fn, "impl", impl, _plan.IMPLS)
     return _plan.elementwise(
-        _rule(fn), h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+        _rule(fn), h, chosen, _checks.lr(fn, lr), _state_format.check(fn, state_dtype)
     )
 
 
@@ -300,8 +301,10 @@ def adam(
         foreach chain, which inductor fuses (torch's fused kernels, mpfunc's native and XLA
         kernels have no functional form to compile).
       state_dtype: how moments are stored: ``None`` (like the master), ``torch.float32``,
-        ``torch.bfloat16`` (computed in fp32, stored rounded) or ``torch.uint8``
-        (blockwise 8-bit, 2.125 bytes per element for two moments with scales).
+        ``torch.bfloat16`` (computed in fp32, stored rounded), ``torch.uint8``
+        (blockwise 8-bit, 2.125 bytes per element for two moments with scales) or
+        ``torch.uint4`` (blockwise 4-bit, 1.125 bytes; the torch path only): the formats
+        of ``state_formats/_state_format.py``'s registry.
 
     Returns:
       An ``Optimizer`` whose state is an ``AdamState``.

@@ -22,6 +22,7 @@ from mpfunc.backends import _native, _plan
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+from mpfunc.state_formats import _state_format
 
 __all__ = ["LionState", "lion"]
 
@@ -157,5 +158,5 @@ def lion(
     )
     chosen = _checks.choice(fn, "impl", impl, ("auto", "foreach", "reference", "xla"))
     return _plan.elementwise(
-        _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+        _RULE, h, chosen, _checks.lr(fn, lr), _state_format.check(fn, state_dtype)
     )

@@ -30,6 +30,7 @@ from mpfunc.backends import _native, _plan
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+from mpfunc.state_formats import _state_format
 
 __all__ = ["SGDState", "sgd"]
 
@@ -185,5 +186,5 @@ def sgd(
             f"momentum={h.momentum}, dampening={h.dampening}"
         )
     return _plan.elementwise(
-        _RULE, h, chosen, _checks.lr(fn, lr), _checks.state_dtype(fn, state_dtype)
+        _RULE, h, chosen, _checks.lr(fn, lr), _state_format.check(fn, state_dtype)
     )

@@ -74,8 +74,9 @@ Subnormal inputs and results read as zero on every device, because XLA:CPU flush
 and the CPU does not. A leaf smaller than one block is refused (``ValueError`` pointing at
 ``partition``), as the 8-bit format refuses it.
 
-Not wired into a state format yet (``_state_format``, ``_plan`` and the optimizers know
-only the 8-bit one); see docs/design.md#the-8-bit-moment-codec for the shared rules.
+Wired as the state format ``state_dtype=torch.uint4`` (``_uint4``), on the torch path
+only: the native pass and the XLA node do not carry this codec yet. See
+docs/design.md#the-8-bit-moment-codec for the rules shared with the 8-bit format.
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""The protocol every state format implements (``StateFormat``) and what formats share
+(the draw keys of stochastically rounded moments); the registry is ``_state_format``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from mpfunc.core import _rng
+
+__all__ = ["Problem", "StateFormat", "keys"]
+
+# What is wrong with a stored moment: (exception type, expected, got), or ``None``.
+Problem = tuple[type[Exception], str, str] | None
+
+
+class StateFormat(NamedTuple):
+    """One way of storing optimizer moments, chosen by ``state_dtype``.
+
+    ``key``: the ``state_dtype`` a user passes (``torch.bfloat16``, ``torch.uint8``).
+    ``container``: the NamedTuple a moment of this format is (a pytree node whose tensors
+    are checkpoint leaves, e.g. ``QState``), or ``None`` where a moment is a plain tensor
+    of ``key``'s dtype. ``zeros(kind, dtype, like)``: a zero moment of field kind ``kind``
+    (``"square"`` for second moments) for a leaf shaped like ``like``; ``dtype``: the
+    stored dtype (``key``, or the compute dtype for ``state_dtype=None``).
+    ``zeros_list(kind, dtypes, faces)``: the same for a whole field (``None`` where a face
+    or its dtype is ``None``). ``problem(kind, x, like, dtype)``: what is wrong with a
+    stored moment (``Problem``). ``check_init(fn, side, faces)``: raises, naming the path,
+    where a leaf cannot take this format (a leaf smaller than a block). ``load(xs,
+    compute, likes)``: fp32 (compute dtype) values of a list of stored moments, each
+    shaped like its ``likes`` tensor (the leaf's master values; a format that does not
+    keep the shape reads it there), or the stored tensors themselves where they already
+    are. ``store(xs, values, kind, skip, steps, salts)``: writes computed values back;
+    where ``skip`` is true every stored bit is kept; ``steps`` and ``salts`` key
+    stochastic rounding. ``layout(x, face)``: a tensor with the strides of what ``load``
+    gives for ``x`` (the moment itself, face-shaped codes, or a contiguous stand-in), for
+    the planner's choice of a fused kernel, which pairs elements by memory position.
+
+    Back ends: ``native`` is the format's code in the composed CPU pass
+    (``csrc``: ``composed::Format``; the container's tensors passed in order), ``None``
+    where that pass does not take it (torch's kernels run); ``xla`` says whether the XLA
+    node (``backends/_xla_kernels``) loads and stores it itself; ``salted`` whether its
+    store draws random bits (the native pass then takes each leaf's salt).
+    """
+
+    name: str
+    key: torch.dtype
+    container: type | None
+    zeros: Callable[[str, torch.dtype, torch.Tensor], Any]
+    zeros_list: Callable[[str, list[torch.dtype | None], list[Any]], list[Any]]
+    problem: Callable[[str, Any, torch.Tensor, torch.dtype], Problem]
+    check_init: Callable[[str, Any, list[Any]], None]
+    load: Callable[[list[Any], torch.dtype, list[torch.Tensor]], list[torch.Tensor]]
+    store: Callable[
+        [
+            list[Any],
+            list[torch.Tensor],
+            str,
+            torch.Tensor | None,
+            list[torch.Tensor] | None,
+            list[int],
+        ],
+        None,
+    ]
+    layout: Callable[[Any, torch.Tensor], torch.Tensor]
+    native: int | None
+    xla: bool
+    salted: bool
+
+
+def keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:
+    """The draw key of each leaf at this step: its step count (exact in fp32 below 2**24)
+    mixed with a per-leaf salt. A Python-int salt traces as a constant: no transfer. On XLA
+    the keys are mixed as one stacked vector (a few traced ops per leaf, not a dozen)."""
+    pre = [t.to(torch.int32).mul(_rng._GOLDEN).add_(_rng._wrap(s)) for t, s in zip(steps, salts)]
+    if len(pre) > 1 and pre[0].device.type == "xla":
+        return list(_rng._mix(torch.stack(pre)).unbind(0))
+    return [_rng._mix(k) for k in pre]

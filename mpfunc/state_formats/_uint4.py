@@ -1,0 +1,131 @@
+"""4-bit moments, ``state_dtype=torch.uint4``: the blockwise codec of ``_quantize4``.
+
+Each moment is a ``Q4State(codes, scale)``: 32-element blocks with a bf16 scale and
+companded 4-bit codes packed two per byte in row-major element order (flat int8 bytes
+for first moments, uint8 for second moments), 1.125 bytes per element for both Adam
+moments together. A state does not keep its moment's shape: ``load`` reads it from the
+leaf's master values. Second moments (``"square"`` fields) are rounded stochastically
+with draws keyed on the leaf's step count and salt (``_base.keys``, as at 8 bits), so a
+resumed run draws the same bits; first moments to nearest. Why this code: ``_quantize4``'s
+docstring and ``bench/results/q4_design``.
+
+Served on the torch path only (CPU, and XLA through torch ops, with the same bits): the
+native composed pass and the XLA node do not carry this codec yet (``native=None``,
+``xla=False``), so these leaves take the foreach path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mpfunc.core import _checks, _rng
+from mpfunc.state_formats import _quantize4
+from mpfunc.state_formats._base import Problem, StateFormat, keys
+from mpfunc.state_formats._quantize4 import Q4State
+
+__all__ = ["FORMAT", "KEY", "Q4State"]
+
+# The ``state_dtype`` that names this format: torch's 4-bit unsigned shell dtype (torch
+# 2.3 and later, absent from its type stubs; no tensor of it is ever made, it is a name).
+KEY: torch.dtype = torch.uint4  # type: ignore[attr-defined]
+
+
+def _zeros(kind: str, dtype: torch.dtype, like: torch.Tensor) -> Q4State:
+    return _quantize4.zeros4(like.shape, kind != "square", like.device)
+
+
+def _zeros_list(kind: str, dtypes: list[torch.dtype | None], faces: list[Any]) -> list[Any]:
+    return [None if f is None or d is None else _zeros(kind, d, f) for f, d in zip(faces, dtypes)]
+
+
+def _problem(kind: str, x: Any, like: torch.Tensor, dtype: torch.dtype) -> Problem:
+    Tensor = torch.Tensor
+    if not (isinstance(x, Q4State) and isinstance(x.codes, Tensor) and isinstance(x.scale, Tensor)):
+        return TypeError, "a Q4State (a 4-bit moment made by opt.init)", _checks.describe(x)
+    want = _quantize4.SIGNED_DTYPE if kind != "square" else _quantize4.UNSIGNED_DTYPE
+    c, s = x.codes, x.scale
+    device = like.device
+    numel = math.prod(like.shape)
+    n_bytes = _quantize4.packed_bytes(numel)
+    if c.dtype != want or c.shape != (n_bytes,) or c.device != device:
+        return (
+            ValueError,
+            f"packed codes {want} of shape ({n_bytes},) on {like.device}",
+            f"{c.dtype} of shape {tuple(c.shape)} on {c.device}",
+        )
+    n = _quantize4.blocks(numel)
+    if s.dtype != _quantize4.SCALE_DTYPE or s.shape != (n,) or s.device != device:
+        return (
+            ValueError,
+            f"scales {_quantize4.SCALE_DTYPE} of shape ({n},) on {like.device}",
+            f"{s.dtype} of shape {tuple(s.shape)} on {s.device}",
+        )
+    if not c.is_contiguous() or not s.is_contiguous():
+        return ValueError, "contiguous codes and scales (as opt.init makes them)", "strided"
+    return None
+
+
+def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
+    """As at 8 bits: a leaf needs at least one whole block; a smaller one gets a clear
+    error that points to ``partition``, before anything is made."""
+    for i, f in enumerate(faces):
+        if f is not None and f.numel() < _quantize4.BLOCK:
+            _checks.fail(
+                ValueError,
+                fn,
+                side.path(i),
+                f"a leaf of at least {_quantize4.BLOCK} elements for state_dtype=torch.uint4",
+                f"{f.numel()} elements",
+                "Keep small leaves in fp32 state: mpfunc.partition({'big': mpfunc.adamw(..., "
+                "state_dtype=torch.uint4), 'small': mpfunc.adamw(...)}, labels) with labels "
+                "from a function such as lambda path, p: 'big' if p.numel() >= 4096 else 'small'",
+            )
+
+
+def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _quantize4.dequantize4_list(xs, [v.shape for v in likes]) if xs else []
+
+
+def _store(
+    xs: list[Any],
+    values: list[torch.Tensor],
+    kind: str,
+    skip: torch.Tensor | None,
+    steps: list[torch.Tensor] | None,
+    salts: list[int],
+) -> None:
+    noises: list[torch.Tensor | None] | None = None
+    if kind == "square" and steps is not None:
+        noises = list(_rng.uniform_list(keys(steps, salts), [v.shape for v in values]))
+    old = [(q.codes.clone(), q.scale.clone()) for q in xs] if skip is not None else []
+    _quantize4.quantize4_list_([v.contiguous() for v in values], xs, noises=noises)
+    if skip is not None:
+        codes = [torch.where(skip, c, q.codes) for (c, _), q in zip(old, xs)]
+        scales = [torch.where(skip, s, q.scale) for (_, s), q in zip(old, xs)]
+        torch._foreach_copy_([q.codes for q in xs], codes)
+        torch._foreach_copy_([q.scale for q in xs], scales)
+
+
+def _layout(x: Any, face: torch.Tensor) -> torch.Tensor:
+    # Moments load as contiguous fp32 temporaries of the face's shape.
+    return torch.empty(face.shape, device="meta")
+
+
+FORMAT = StateFormat(
+    name="uint4",
+    key=KEY,
+    container=Q4State,
+    zeros=_zeros,
+    zeros_list=_zeros_list,
+    problem=_problem,
+    check_init=_check_init,
+    load=_load,
+    store=_store,
+    layout=_layout,
+    native=None,
+    xla=False,
+    salted=True,
+)
