@@ -104,7 +104,10 @@ def test_rounding_matches_tensor_to(device: torch.device, data: st.DataObject, d
         # Against the device's own Tensor.to, every bit including NaN payloads.
         assert_bits_equal(q, m.to(dtype))
     mpfunc.masters_to_model_(masters, params)
-    assert_trees_bits_equal(params, pure, nan_payload=device.type == "cpu")
+    # torch 2.4's grouped copy writes a 0-d NaN as 0xFFFF where its own Tensor.to writes
+    # 0x7FC0 (NaN stays NaN; NOTES.md): payloads are compared from torch 2.5 on.
+    old_torch = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5)
+    assert_trees_bits_equal(params, pure, nan_payload=device.type == "cpu" and not old_torch)
 
 
 @given(data=st.data())
