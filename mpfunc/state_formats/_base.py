@@ -78,3 +78,28 @@ def keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:
     if len(pre) > 1 and pre[0].device.type == "xla":
         return list(_rng._mix(torch.stack(pre)).unbind(0))
     return [_rng._mix(k) for k in pre]
+
+
+def store_codes(
+    encode_list_: Callable[..., Any],
+    xs: list[Any],
+    values: list[torch.Tensor],
+    kind: str,
+    skip: torch.Tensor | None,
+    steps: list[torch.Tensor] | None,
+    salts: list[int],
+) -> None:
+    """A quantized format's store: ``encode_list_(values, xs, noises=)`` writes codes and
+    scales (second moments, ``"square"``, rounded stochastically with the draws of
+    ``keys(steps, salts)``), and where ``skip`` is set every code and scale keeps its old
+    bits."""
+    noises: list[torch.Tensor | None] | None = None
+    if kind == "square" and steps is not None:
+        noises = list(_rng.uniform_list(keys(steps, salts), [v.shape for v in values]))
+    old = [(q.codes.clone(), q.scale.clone()) for q in xs] if skip is not None else []
+    encode_list_([v.contiguous() for v in values], xs, noises=noises)
+    if skip is not None:
+        codes = [torch.where(skip, c, q.codes) for (c, _), q in zip(old, xs)]
+        scales = [torch.where(skip, s, q.scale) for (_, s), q in zip(old, xs)]
+        torch._foreach_copy_([q.codes for q in xs], codes)
+        torch._foreach_copy_([q.scale for q in xs], scales)

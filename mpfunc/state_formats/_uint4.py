@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from mpfunc.core import _checks, _rng
+from mpfunc.core import _checks
 from mpfunc.state_formats import _quantize4
-from mpfunc.state_formats._base import Problem, StateFormat, keys
+from mpfunc.state_formats._base import Problem, StateFormat, store_codes
 from mpfunc.state_formats._quantize4 import Q4State
 
 __all__ = ["FORMAT", "KEY", "Q4State"]
@@ -97,16 +97,7 @@ def _store(
     steps: list[torch.Tensor] | None,
     salts: list[int],
 ) -> None:
-    noises: list[torch.Tensor | None] | None = None
-    if kind == "square" and steps is not None:
-        noises = list(_rng.uniform_list(keys(steps, salts), [v.shape for v in values]))
-    old = [(q.codes.clone(), q.scale.clone()) for q in xs] if skip is not None else []
-    _quantize4.quantize4_list_([v.contiguous() for v in values], xs, noises=noises)
-    if skip is not None:
-        codes = [torch.where(skip, c, q.codes) for (c, _), q in zip(old, xs)]
-        scales = [torch.where(skip, s, q.scale) for (_, s), q in zip(old, xs)]
-        torch._foreach_copy_([q.codes for q in xs], codes)
-        torch._foreach_copy_([q.scale for q in xs], scales)
+    store_codes(_quantize4.quantize4_list_, xs, values, kind, skip, steps, salts)
 
 
 def _layout(x: Any, face: torch.Tensor) -> torch.Tensor:
