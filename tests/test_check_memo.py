@@ -379,15 +379,15 @@ def test_a_changed_layout_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> N
 def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's memo is keyed on the rule and its hyperparameters and impl: the same trees
     with impl='foreach' (or other betas) are not handed the native kernel's plan."""
-    from mpfunc.backends import _native
+    from mpfunc.optim import _adam
 
     _cache.clear_memo()
     t = _one_pass()
     _update(t)
     calls = _spy_plan(monkeypatch)
     used: list[int] = []
-    real = _native.adam_kernel
-    monkeypatch.setattr(_native, "adam_kernel", lambda g, h: (used.append(1), real(g, h)))
+    real = _adam._native_kernel
+    monkeypatch.setattr(_adam, "_native_kernel", lambda g, h: (used.append(1), real(g, h)))
     for opt in (mpfunc.adamw(lr=1e-2, impl="foreach"), mpfunc.adamw(lr=1e-2, betas=(0.8, 0.9))):
         calls.clear()
         t["opt"] = opt

@@ -35,7 +35,7 @@ def calls(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[str]]:
     """Records each native kernel call (``adam`` groups and ``cast`` groups). The optimizer
     must be built inside the test: its rule takes the kernel when it is made."""
     seen: list[str] = []
-    adam, cast = _native.adam_kernel, _native.cast_
+    adam, cast = _adam._native_kernel, _native.cast_
 
     def adam_spy(group: Group, h: Any) -> None:
         seen.append("adam")
@@ -45,7 +45,7 @@ def calls(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[str]]:
         seen.append("cast")
         cast(dst, src)
 
-    monkeypatch.setattr(_native, "adam_kernel", adam_spy)
+    monkeypatch.setattr(_adam, "_native_kernel", adam_spy)
     monkeypatch.setattr(_native, "cast_", cast_spy)
     yield seen
 
@@ -200,7 +200,7 @@ def test_kernel_contract_matches_the_three_calls(
             [got_m[k] for k in keys], [grads[k] for k in keys], s, 1e-3, flag,
             model=[got_p[k] for k in keys] if model_dtype is not None else None, scale=scale,
         )  # fmt: skip
-        _native.adam_kernel(group, hyper)
+        _adam._native_kernel(group, hyper)
     assert_trees_bits_equal(got_m, ref_m)
     assert_trees_bits_equal(got_s, ref_s)
     assert_trees_bits_equal(got_p, ref_p)

@@ -291,7 +291,6 @@ def _mixed_no_memo(pt: Point) -> Step:
 def _mixed_kernel(pt: Point) -> Step:
     """The native kernel alone, on the lists ``_plan`` would give it: what the step costs
     without mpfunc's per-leaf checks and planning in Python."""
-    from mpfunc.backends import _native
     from mpfunc.core._optimizer import Group
     from mpfunc.optim import _adam
 
@@ -305,7 +304,7 @@ def _mixed_kernel(pt: Point) -> Step:
         model=[params[k] for k in keys],
     )  # fmt: skip
     hyper = _adam.AdamHyper(*BETAS, EPS, ADAMW_WD, decoupled=True, amsgrad=False, maximize=False)
-    return lambda: _native.adam_kernel(group, hyper)
+    return lambda: _adam._native_kernel(group, hyper)
 
 
 def _mixed_three_calls(pt: Point) -> Step:
