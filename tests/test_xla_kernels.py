@@ -152,21 +152,32 @@ def _grads(layout: tuple[tuple[int, ...], ...], seed: int, scale: float) -> list
 def _make(kind: str, cfg: dict[str, Any], lr: Any, impl: str = "foreach") -> mpfunc.Optimizer:
     if kind == "lion":
         return mpfunc.lion(
-            lr=lr, betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"],
-            maximize=cfg["maximize"], impl=impl,  # type: ignore[arg-type]
-        )  # fmt: skip
+            lr=lr,
+            betas=(cfg["beta1"], cfg["beta2"]),
+            weight_decay=cfg["weight_decay"],
+            maximize=cfg["maximize"],
+            impl=impl,  # type: ignore[arg-type]
+        )
     if kind == "sgd":
         return mpfunc.sgd(
-            lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], impl=impl,  # type: ignore[arg-type]
-        )  # fmt: skip
+            lr=lr,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"],
+            maximize=cfg["maximize"],
+            impl=impl,  # type: ignore[arg-type]
+        )
     make = mpfunc.adamw if cfg["decoupled"] else mpfunc.adam
     return make(
-        lr=lr, betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
-        weight_decay=cfg["weight_decay"], amsgrad=cfg["amsgrad"], maximize=cfg["maximize"],
+        lr=lr,
+        betas=(cfg["beta1"], cfg["beta2"]),
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+        amsgrad=cfg["amsgrad"],
+        maximize=cfg["maximize"],
         impl=impl,  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
 
 
 def _kernel_step(
@@ -183,26 +194,56 @@ def _kernel_step(
     P = list(masters.values())
     if kind == "lion":
         lion_xla_(
-            P, grads, _leaves(state.exp_avg), _leaves(state.step), lr=lr, beta1=cfg["beta1"],
-            beta2=cfg["beta2"], weight_decay=cfg["weight_decay"], maximize=cfg["maximize"],
-            found_inf=skip, model_params=low, grad_scale=grad_scale,
-        )  # fmt: skip
+            P,
+            grads,
+            _leaves(state.exp_avg),
+            _leaves(state.step),
+            lr=lr,
+            beta1=cfg["beta1"],
+            beta2=cfg["beta2"],
+            weight_decay=cfg["weight_decay"],
+            maximize=cfg["maximize"],
+            found_inf=skip,
+            model_params=low,
+            grad_scale=grad_scale,
+        )
         return
     if kind == "sgd":
         sgd_xla_(
-            P, grads, _leaves(state.momentum_buffer) if cfg["momentum"] else None,
-            _leaves(state.step), lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], found_inf=skip, model_params=low, grad_scale=grad_scale,
-        )  # fmt: skip
+            P,
+            grads,
+            _leaves(state.momentum_buffer) if cfg["momentum"] else None,
+            _leaves(state.step),
+            lr=lr,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"],
+            maximize=cfg["maximize"],
+            found_inf=skip,
+            model_params=low,
+            grad_scale=grad_scale,
+        )
         return
     adam_xla_(
-        P, grads, _leaves(state.exp_avg), _leaves(state.exp_avg_sq),
-        _leaves(state.max_exp_avg_sq) if cfg["amsgrad"] else None, _leaves(state.step),
-        lr=lr, beta1=cfg["beta1"], beta2=cfg["beta2"], eps=cfg["eps"],
-        weight_decay=cfg["weight_decay"], decoupled=cfg["decoupled"], amsgrad=cfg["amsgrad"],
-        maximize=cfg["maximize"], found_inf=skip, model_params=low, grad_scale=grad_scale,
-    )  # fmt: skip
+        P,
+        grads,
+        _leaves(state.exp_avg),
+        _leaves(state.exp_avg_sq),
+        _leaves(state.max_exp_avg_sq) if cfg["amsgrad"] else None,
+        _leaves(state.step),
+        lr=lr,
+        beta1=cfg["beta1"],
+        beta2=cfg["beta2"],
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+        decoupled=cfg["decoupled"],
+        amsgrad=cfg["amsgrad"],
+        maximize=cfg["maximize"],
+        found_inf=skip,
+        model_params=low,
+        grad_scale=grad_scale,
+    )
 
 
 adam_cfgs = st.fixed_dictionaries(
@@ -328,16 +369,26 @@ def test_lion_matches_foreach(
 def _torch_opt(kind: str, cfg: dict[str, Any], params: list[torch.Tensor], lr: float) -> Any:
     if kind == "sgd":
         return torch.optim.SGD(
-            params, lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], foreach=False,
-        )  # fmt: skip
+            params,
+            lr=lr,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"],
+            maximize=cfg["maximize"],
+            foreach=False,
+        )
     make = torch.optim.AdamW if cfg["decoupled"] else torch.optim.Adam
     return make(
-        params, lr=lr, betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
-        weight_decay=cfg["weight_decay"], amsgrad=cfg["amsgrad"], maximize=cfg["maximize"],
+        params,
+        lr=lr,
+        betas=(cfg["beta1"], cfg["beta2"]),
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+        amsgrad=cfg["amsgrad"],
+        maximize=cfg["maximize"],
         foreach=False,
-    )  # fmt: skip
+    )
 
 
 def _torch_state(kind: str, cfg: dict[str, Any], opt: Any, params: list[torch.Tensor]) -> list[Any]:
@@ -640,13 +691,33 @@ def test_computations_are_cached(xla_device: torch.device) -> None:
 
 def test_empty_group_is_a_no_op() -> None:
     adam_xla_(
-        [], [], [], [], None, [], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
-        weight_decay=0.0, decoupled=True, amsgrad=False, maximize=False,
-    )  # fmt: skip
+        [],
+        [],
+        [],
+        [],
+        None,
+        [],
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=True,
+        amsgrad=False,
+        maximize=False,
+    )
     sgd_xla_(
-        [], [], None, [], lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
-        nesterov=False, maximize=False,
-    )  # fmt: skip
+        [],
+        [],
+        None,
+        [],
+        lr=0.1,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        maximize=False,
+    )
 
 
 # --- bad inputs: the error, and nothing written ---------------------------------------------
@@ -663,12 +734,21 @@ def _adam_args(dev: torch.device, **change: Any) -> tuple[list[Any], dict[str, A
         "steps": [torch.zeros((), device=dev) for _ in P],
     }
     kwargs: dict[str, Any] = {
-        "lr": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
-        "decoupled": True, "amsgrad": True, "maximize": False, "found_inf": None,
+        "lr": 0.1,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "decoupled": True,
+        "amsgrad": True,
+        "maximize": False,
+        "found_inf": None,
         "grad_scale": None,
-        "model_params": [torch.zeros(4, 5, device=dev, dtype=torch.bfloat16),
-                         torch.zeros(3, device=dev, dtype=torch.bfloat16)],
-    }  # fmt: skip
+        "model_params": [
+            torch.zeros(4, 5, device=dev, dtype=torch.bfloat16),
+            torch.zeros(3, device=dev, dtype=torch.bfloat16),
+        ],
+    }
     for name, value in change.items():
         target = args if name in args else kwargs
         target[name] = value(dev, target[name]) if callable(value) else value
@@ -799,10 +879,17 @@ def test_sgd_needs_buffers_with_momentum(xla_device: torch.device) -> None:
     p = [torch.zeros(3, device=xla_device)]
     with pytest.raises(ValueError, match=r"momentum_buffer: expected a list of tensors"):
         sgd_xla_(
-            p, [torch.ones(3, device=xla_device)], None, [torch.zeros((), device=xla_device)],
-            lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+            p,
+            [torch.ones(3, device=xla_device)],
+            None,
+            [torch.zeros((), device=xla_device)],
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.0,
+            weight_decay=0.0,
+            nesterov=False,
             maximize=False,
-        )  # fmt: skip
+        )
 
 
 # --- wired in: the "xla" kernel of adam/adamw, sgd and lion ------------------------------------
