@@ -561,7 +561,7 @@ def rule_step(group: Group, rule: int, moment: Any, a: float, b: float, h: Any) 
 
 
 # Whether step_rule_ gives this torch's bits, per (rule kernel, variant): decided once.
-_serving: dict[tuple[Any, bool], bool] = {}
+_serving: dict[tuple[Any, Any], bool] = {}
 
 
 def serves(kernel: Any, h: Any) -> bool:
