@@ -39,15 +39,9 @@ from mpfunc.optim._master_optimizer import MasterOptimizer
 from mpfunc.optim._migrate import from_torch_optim, frozen
 from mpfunc.optim._sgd import SGDState, sgd
 from mpfunc.optim._torch_optim import TorchOptimizerState, torch_optimizer
-from mpfunc.parallel._distributed import (
-    all_reduce_grads,
-    all_reduce_grads_,
-    broadcast_params_,
-    reduce_grads_to_owners,
-    shard,
-    shard_plan,
-    verify_replicas,
-)
+from mpfunc.parallel._all_reduce import all_reduce_grads, all_reduce_grads_
+from mpfunc.parallel._replicas import verify_replicas
+from mpfunc.parallel._sharded import broadcast_params_, reduce_grads_to_owners, shard, shard_plan
 from mpfunc.parallel._sharding import mark_sharding_
 from mpfunc.state_formats._quantize import QState
 from mpfunc.state_formats._quantize4 import Q4State

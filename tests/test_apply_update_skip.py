@@ -19,14 +19,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in 
 
 
 SKIPPED: dict[str, Callable[[], mpfunc.Optimizer]] = {
-    **{f"{n}-{impl}": partial(f, lr=0.1, weight_decay=0.01, amsgrad=True, impl=impl)
-       for n, f in (("adam", mpfunc.adam), ("adamw", mpfunc.adamw))
-       for impl in ("fused", "foreach", "reference")},
-    **{f"sgd-{impl}": partial(mpfunc.sgd, lr=0.1, momentum=0.9, dampening=0.1, impl=impl)
-       for impl in ("foreach", "reference")},
-    **{f"lion-{impl}": partial(mpfunc.lion, lr=0.1, weight_decay=0.01, impl=impl)
-       for impl in ("foreach", "reference")},
-}  # fmt: skip
+    **{
+        f"{n}-{impl}": partial(f, lr=0.1, weight_decay=0.01, amsgrad=True, impl=impl)
+        for n, f in (("adam", mpfunc.adam), ("adamw", mpfunc.adamw))
+        for impl in ("fused", "foreach", "reference")
+    },
+    **{
+        f"sgd-{impl}": partial(mpfunc.sgd, lr=0.1, momentum=0.9, dampening=0.1, impl=impl)
+        for impl in ("foreach", "reference")
+    },
+    **{
+        f"lion-{impl}": partial(mpfunc.lion, lr=0.1, weight_decay=0.01, impl=impl)
+        for impl in ("foreach", "reference")
+    },
+}
 
 
 def _clone(tree: Any) -> Any:

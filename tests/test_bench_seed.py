@@ -194,9 +194,18 @@ def test_output_goes_outside_the_repository_unless_out_says() -> None:
 
 def test_modes_per_device() -> None:
     assert [m for m in MODES if runs_on(m, "xla")] == [
-        "fp32", "bf16", "flat", "pertensor", "mpfunc", "mpfunc-remainder", "mpfunc-kahan",
-        "mpfunc-stochastic", "mpfunc-step-in-backward", "autocast", "syncfree"
-    ]  # fmt: skip
+        "fp32",
+        "bf16",
+        "flat",
+        "pertensor",
+        "mpfunc",
+        "mpfunc-remainder",
+        "mpfunc-kahan",
+        "mpfunc-stochastic",
+        "mpfunc-step-in-backward",
+        "autocast",
+        "syncfree",
+    ]
     cpu = [m for m in MODES if runs_on(m, "cpu")]
     assert "syncfree" not in cpu and cpu.index("fp32-fused") == cpu.index("fp32") + 1
     assert {m for m in cpu if m.endswith("-fused")} == {

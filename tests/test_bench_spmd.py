@@ -103,6 +103,5 @@ def test_counts_and_bytes(smoke: tuple[Path, str, dict[str, Any]], n: str) -> No
 
 def test_every_count_trains_alike(smoke: tuple[Path, str, dict[str, Any]]) -> None:
     # Same batch, same steps: only the order of the partitioned sums differs.
-    losses = [s["final_loss"] for d in smoke[2]["devices"].values()
-              for s in d["summary"].values()]  # fmt: skip
+    losses = [s["final_loss"] for d in smoke[2]["devices"].values() for s in d["summary"].values()]
     assert max(losses) == pytest.approx(min(losses), rel=1e-2)

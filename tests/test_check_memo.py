@@ -56,9 +56,10 @@ def test_leaf_keys_tell_apart_what_the_checks_read(key_kind: str) -> None:
     class Tagged(torch.Tensor):
         pass
 
-    assert _cache.leaf_keys([base.as_subclass(Tagged)]) in (None, _cache.leaf_keys(
-        [base.as_subclass(Tagged)]
-    ))  # fmt: skip
+    assert _cache.leaf_keys([base.as_subclass(Tagged)]) in (
+        None,
+        _cache.leaf_keys([base.as_subclass(Tagged)]),
+    )
     assert _cache.leaf_keys([torch.zeros(3).to_sparse()]) is None
     assert _cache.leaf_keys([1.0]) is None
 
@@ -72,9 +73,13 @@ def _setup(device: torch.device) -> dict[str, Any]:
     grads = {k: torch.randn(s, generator=gen).bfloat16().to(device) for k, s in shapes.items()}
     opt = mpfunc.adamw(lr=1e-2)
     return {
-        "params": params, "masters": masters, "out": out, "grads": grads, "opt": opt,
+        "params": params,
+        "masters": masters,
+        "out": out,
+        "grads": grads,
+        "opt": opt,
         "state": opt.init(masters),
-    }  # fmt: skip
+    }
 
 
 CALLS = ("grads_to_fp32_", "apply_update_", "masters_to_model_")
@@ -166,20 +171,45 @@ def _reused_id(t: dict[str, Any]) -> None:
 # (name, change, the call that must raise, error, message)
 CHANGES: list[tuple[str, Callable[[dict[str, Any]], None], str, type[Exception], str]] = [
     ("dtype", _swap_dtype, "apply_update_", TypeError, r"at 'grads\.b': expected a grad no wider"),
-    ("shape", _swap_shape, "apply_update_", ValueError,
-     r"at 'state\.exp_avg\.c': expected shape \(2, 2\)"),
-    ("layout", _swap_layout, "apply_update_", ValueError,
-     r"at 'masters\.a': expected a tensor whose elements"),
-    ("new-alias", _new_alias, "masters_to_model_", ValueError,
-     r"at 'params\.a': expected a tensor that shares no memory with 'params\.c'"),
+    (
+        "shape",
+        _swap_shape,
+        "apply_update_",
+        ValueError,
+        r"at 'state\.exp_avg\.c': expected shape \(2, 2\)",
+    ),
+    (
+        "layout",
+        _swap_layout,
+        "apply_update_",
+        ValueError,
+        r"at 'masters\.a': expected a tensor whose elements",
+    ),
+    (
+        "new-alias",
+        _new_alias,
+        "masters_to_model_",
+        ValueError,
+        r"at 'params\.a': expected a tensor that shares no memory with 'params\.c'",
+    ),
     ("alias-by-data", _alias_by_data, "apply_update_", ValueError, r"that shares no memory"),
-    ("out-dtype", _out_dtype, "grads_to_fp32_", TypeError,
-     r"at 'out\.b': expected a float32 or float64 tensor"),
+    (
+        "out-dtype",
+        _out_dtype,
+        "grads_to_fp32_",
+        TypeError,
+        r"at 'out\.b': expected a float32 or float64 tensor",
+    ),
     ("out-shape", _out_shape, "grads_to_fp32_", ValueError, r"at 'out\.c': expected shape"),
-    ("out-layout", _out_layout, "grads_to_fp32_", ValueError,
-     r"at 'out\.a': expected a tensor whose elements"),
+    (
+        "out-layout",
+        _out_layout,
+        "grads_to_fp32_",
+        ValueError,
+        r"at 'out\.a': expected a tensor whose elements",
+    ),
     ("reused-id", _reused_id, "grads_to_fp32_", ValueError, r"that shares no memory"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -254,8 +284,7 @@ def _one_pass(**init: Any) -> dict[str, Any]:
 
 
 def _update(t: dict[str, Any], **kw: Any) -> None:
-    mpfunc.apply_update_(t["masters"], t["grads"], t["state"], t["opt"], params=t["params"],
-                         **kw)  # fmt: skip
+    mpfunc.apply_update_(t["masters"], t["grads"], t["state"], t["opt"], params=t["params"], **kw)
 
 
 def _spy_plan(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -280,8 +309,10 @@ def test_a_repeated_step_is_checked_and_planned_once(
     """The second and later steps skip every check and the per-leaf planning, and write the
     same bits as steps checked and planned in full."""
     kw: dict[str, Any] = {
-        "none": {}, "scale": {"scale": torch.tensor(4.0)}, "skip": {"skip": torch.tensor(False)},
-    }[extra]  # fmt: skip
+        "none": {},
+        "scale": {"scale": torch.tensor(4.0)},
+        "skip": {"skip": torch.tensor(False)},
+    }[extra]
     _cache.clear_memo()
     t, ref = _one_pass(strategy=strategy), _one_pass(strategy=strategy)
     calls = _spy_plan(monkeypatch)
@@ -332,7 +363,7 @@ ONE_PASS_CHANGES = [
     ("step-dtype", _step_dtype, TypeError, r"at 'state\.step\.a'"),
     ("moment-aliases-moment", _moment_aliases_param, ValueError, r"that shares no memory"),
     ("new-param-tree", _new_param_tree, ValueError, r"that shares no memory"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -379,15 +410,15 @@ def test_a_changed_layout_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> N
 def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's memo is keyed on the rule and its hyperparameters and impl: the same trees
     with impl='foreach' (or other betas) are not handed the native kernel's plan."""
-    from mpfunc.backends import _native
+    from mpfunc.optim import _adam
 
     _cache.clear_memo()
     t = _one_pass()
     _update(t)
     calls = _spy_plan(monkeypatch)
     used: list[int] = []
-    real = _native.adam_kernel
-    monkeypatch.setattr(_native, "adam_kernel", lambda g, h: (used.append(1), real(g, h)))
+    real = _adam._native_kernel
+    monkeypatch.setattr(_adam, "_native_kernel", lambda g, h: (used.append(1), real(g, h)))
     for opt in (mpfunc.adamw(lr=1e-2, impl="foreach"), mpfunc.adamw(lr=1e-2, betas=(0.8, 0.9))):
         calls.clear()
         t["opt"] = opt

@@ -170,9 +170,13 @@ def test_update_traces_without_a_graph_break() -> None:
     """Dynamo alone (no inductor: a few seconds): every strategy, fullgraph."""
     loop = Loop(
         lambda: mpfunc.adamw(lr=torch.tensor(1e-3)),
-        strategy={"0.weight": "kahan", "0.bias": "stochastic", "2.weight": "none",
-                  "2.bias": "remainder"},
-    )  # fmt: skip
+        strategy={
+            "0.weight": "kahan",
+            "0.bias": "stochastic",
+            "2.weight": "none",
+            "2.bias": "remainder",
+        },
+    )
     torch._dynamo.reset()
     step = torch.compile(
         lambda g: mpfunc.apply_update_(loop.masters, g, loop.state, loop.opt, params=loop.params),

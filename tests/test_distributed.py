@@ -66,8 +66,10 @@ def test_all_reduce_and_sharded_masters(world: int, tmp_path: pathlib.Path) -> N
     # Each rank holds about 1/world of the masters and optimizer state: leaves are
     # whole, so the most loaded rank exceeds full/world by at most the largest leaf.
     full = sum(b["sharded_bytes"] for b in ranks)
-    largest = max(full * p.numel() / sum(q.numel() for q in ranks[0]["bf16"]["masters"].values())
-                  for p in ranks[0]["bf16"]["masters"].values())  # fmt: skip
+    largest = max(
+        full * p.numel() / sum(q.numel() for q in ranks[0]["bf16"]["masters"].values())
+        for p in ranks[0]["bf16"]["masters"].values()
+    )
     assert max(b["sharded_bytes"] for b in ranks) <= full / world + largest
 
 

@@ -28,26 +28,39 @@ WORLD = 2
 # case -> (exception type, substrings every rank's message must hold)
 DIFFER = "the ranks hold different trees"
 CASES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "same_size_other_shapes": ("ValueError", (f"all_reduce_grads: {DIFFER}",
-                                              "'a': shape (4,)", "'a': shape (2,)")),
+    "same_size_other_shapes": (
+        "ValueError",
+        (f"all_reduce_grads: {DIFFER}", "'a': shape (4,)", "'a': shape (2,)"),
+    ),
     "same_size_other_paths": ("ValueError", (DIFFER, "'b': shape (3,)", "'c': shape (3,)")),
     "transposed_shape": ("ValueError", (DIFFER, "shape (2, 3)", "shape (3, 2)")),
     "other_sizes": ("ValueError", (DIFFER, "'w': shape (4,)", "'w': shape (5,)")),
     "other_dtypes": ("ValueError", (DIFFER, "torch.float32", "torch.bfloat16")),
     "none_on_one_rank": ("ValueError", (DIFFER, "'b': None", "'b': shape (2,)")),
     "other_op": ("ValueError", (DIFFER, "op='mean'", "op='sum'")),
-    "other_reduce_dtype": ("ValueError", (DIFFER, "reduce_dtype=None",
-                                          "reduce_dtype=torch.float32")),
+    "other_reduce_dtype": (
+        "ValueError",
+        (DIFFER, "reduce_dtype=None", "reduce_dtype=torch.float32"),
+    ),
     "other_buckets": ("ValueError", (DIFFER, "bucket_bytes=16", "bucket_bytes=1048576")),
     "inplace_untouched": ("ValueError", (f"all_reduce_grads_: {DIFFER}",)),
-    "owners_other_plans": ("ValueError", (f"reduce_grads_to_owners: {DIFFER}",
-                                          "'a': shape (3,) torch.float32, owner 0",
-                                          "'a': shape (3,) torch.float32, owner 1")),
-    "owners_out_of_world": ("ValueError", ("reduce_grads_to_owners: at 'plan.b': expected "
-                                           "an owner rank in [0, 2), got rank 2",)),
+    "owners_other_plans": (
+        "ValueError",
+        (
+            f"reduce_grads_to_owners: {DIFFER}",
+            "'a': shape (3,) torch.float32, owner 0",
+            "'a': shape (3,) torch.float32, owner 1",
+        ),
+    ),
+    "owners_out_of_world": (
+        "ValueError",
+        ("reduce_grads_to_owners: at 'plan.b': expected an owner rank in [0, 2), got rank 2",),
+    ),
     "owners_other_shapes": ("ValueError", (f"reduce_grads_to_owners: {DIFFER}",)),
-    "broadcast_out_of_world": ("ValueError", ("broadcast_params_: at 'plan.b': expected an "
-                                              "owner rank in [0, 2), got rank 5",)),
+    "broadcast_out_of_world": (
+        "ValueError",
+        ("broadcast_params_: at 'plan.b': expected an owner rank in [0, 2), got rank 5",),
+    ),
     "broadcast_negative_owner": ("ValueError", ("at 'plan.b'", "got rank -1")),
     "broadcast_other_plans": ("ValueError", (f"broadcast_params_: {DIFFER}", "owner")),
     "broadcast_other_dtypes": ("ValueError", (DIFFER, "torch.bfloat16", "torch.float16")),
@@ -55,7 +68,7 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "expanded_inplace": ("ValueError", ("all_reduce_grads_: at 'grads.b'", "share memory")),
     "sparse_grad": ("TypeError", ("all_reduce_grads: at 'grads.s'", "sparse")),
     "verify_other_shapes": ("ValueError", (f"verify_replicas: {DIFFER}", "shape (2, 3)")),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +103,23 @@ def test_steady_state_adds_no_collective(suite: list[dict[str, Any]]) -> None:
     even though every step builds a fresh tree of fresh tensors. ``verify_replicas``
     always compares."""
     want = {
-        "all_reduce_0": 1, "all_reduce_1": 0, "all_reduce_2": 0,
-        "other_op": 1, "other_op_again": 0, "other_shape": 1,
-        "inplace": 1, "inplace_again": 0,
-        "owners_0": 1, "broadcast_0": 1, "owners_1": 0, "broadcast_1": 0,
-        "subgroup_0": 1, "subgroup_1": 0,
-        "verify": 1, "verify_again": 1,
-    }  # fmt: skip
+        "all_reduce_0": 1,
+        "all_reduce_1": 0,
+        "all_reduce_2": 0,
+        "other_op": 1,
+        "other_op_again": 0,
+        "other_shape": 1,
+        "inplace": 1,
+        "inplace_again": 0,
+        "owners_0": 1,
+        "broadcast_0": 1,
+        "owners_1": 0,
+        "broadcast_1": 0,
+        "subgroup_0": 1,
+        "subgroup_1": 0,
+        "verify": 1,
+        "verify_again": 1,
+    }
     for s in suite:
         assert s["steady"] == want
 
@@ -173,7 +196,7 @@ def test_shard_plan_checks_world_size(world: Any, cls: type[Exception], match: s
         (0, {"a": 0, "b": True}, TypeError, r"at 'plan.b'.*got bool True"),
         (0, {"a": 0}, ValueError, r"shard: tree and plan must have the same tree structure"),
     ],
-)  # fmt: skip
+)
 def test_shard_checks_rank_and_plan(rank: Any, plan: Any, cls: type[Exception], match: str) -> None:
     with pytest.raises(cls, match=match):
         mpfunc.shard({"a": torch.ones(2), "b": torch.ones(3)}, plan, rank)
@@ -255,12 +278,14 @@ def test_xla_participants_with_different_trees_get_a_clear_error(tmp_path: pathl
     adds no compile and no device-to-host transfer to later steps."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_NUM"))}
     path = os.pathsep.join(filter(None, [str(HERE.parents[1]), env.get("PYTHONPATH")]))
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(WORLD), OMP_NUM_THREADS="1",
-               PYTHONPATH=path)  # fmt: skip
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(WORLD), OMP_NUM_THREADS="1", PYTHONPATH=path)
     r = subprocess.run(
         [sys.executable, str(HERE), "xla", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     got = [torch.load(tmp_path / f"xla-rank{k}.pt") for k in range(WORLD)]
     for g in got:

@@ -42,11 +42,23 @@ def test_data_parallel_under_torchrun(tmp_path: pathlib.Path) -> None:
 
     for extra in ([], ["--unsharded"]):
         run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-             "2", str(EXAMPLES / "data_parallel.py"), "--steps", "30", *extra],
-            capture_output=True, text=True, timeout=180,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                str(EXAMPLES / "data_parallel.py"),
+                "--steps",
+                "30",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
             env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )  # fmt: skip
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         losses = [
             float(line.split("loss ")[1]) for line in run.stdout.splitlines() if "loss" in line

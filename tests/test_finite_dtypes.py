@@ -26,8 +26,15 @@ def _flag(tree: Any) -> bool:
 def test_all_finite_float64_beyond_float32_range(device: torch.device) -> None:
     big = torch.tensor([1e300, -1e300, 3.5e38], dtype=F64, device=device)
     assert _flag({"a": big})
-    assert _flag({"a": big, "b": _rand(B, device=device), "c": _rand(B, BF16, device=device),
-                  "i": torch.arange(3, device=device), "n": None})  # fmt: skip
+    assert _flag(
+        {
+            "a": big,
+            "b": _rand(B, device=device),
+            "c": _rand(B, BF16, device=device),
+            "i": torch.arange(3, device=device),
+            "n": None,
+        }
+    )
     for bad in (float("inf"), float("-inf"), float("nan")):
         assert not _flag({"a": torch.tensor([1e300, bad, 1.0], dtype=F64, device=device)})
         mixed = {"a": big, "b": torch.tensor([1.0, bad, 2.0], device=device)}

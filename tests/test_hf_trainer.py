@@ -51,9 +51,16 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 def tiny_gpt2() -> Any:
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-        tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        tie_word_embeddings=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -61,10 +68,19 @@ def tiny_gpt2() -> Any:
 def train(model: Any, opt: torch.optim.Optimizer, tmp: str) -> list[float]:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=STEPS)
     args = transformers.TrainingArguments(
-        output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=8, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
-    )  # fmt: skip
+        output_dir=tmp,
+        max_steps=STEPS,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_grad_norm=1.0,
+    )
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched)
     )
@@ -77,8 +93,11 @@ def test_trainer_bf16_master_optimizer_tracks_fp32_adamw(tmp_path: Any) -> None:
     fp32 = tiny_gpt2()
     bf16 = tiny_gpt2().to(torch.bfloat16)
     assert bf16.lm_head.weight is bf16.transformer.wte.weight  # tied: one param
-    ref = train(fp32, torch.optim.AdamW(fp32.parameters(), lr=3e-3, weight_decay=0.1),
-                str(tmp_path / "fp32"))  # fmt: skip
+    ref = train(
+        fp32,
+        torch.optim.AdamW(fp32.parameters(), lr=3e-3, weight_decay=0.1),
+        str(tmp_path / "fp32"),
+    )
     opt = mpfunc.MasterOptimizer(bf16.parameters(), mpfunc.adamw, lr=3e-3, weight_decay=0.1)
     got = train(bf16, opt, str(tmp_path / "bf16"))
     assert len(got) == len(ref) == STEPS

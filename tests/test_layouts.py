@@ -74,10 +74,13 @@ def run(device: torch.device, data: st.DataObject, in_place: bool) -> None:
     state = opt.init(masters)
     out = mpfunc.init_grads(params)
     for k in range(steps):
-        cpu_grads = [grad_like(grad_kinds[i], lay.shape, gen, 10.0 ** (k % 3 - 1))
-                     for i, lay in enumerate(layouts)]  # fmt: skip
-        grads = {f"p{i}": (g if device.type == "cpu" else g.to(device))
-                 for i, g in enumerate(cpu_grads)}  # fmt: skip
+        cpu_grads = [
+            grad_like(grad_kinds[i], lay.shape, gen, 10.0 ** (k % 3 - 1))
+            for i, lay in enumerate(layouts)
+        ]
+        grads = {
+            f"p{i}": (g if device.type == "cpu" else g.to(device)) for i, g in enumerate(cpu_grads)
+        }
         if in_place:
             g32 = mpfunc.grads_to_fp32_(grads, out)
             mpfunc.apply_update_(masters, g32, state, opt)
@@ -104,8 +107,9 @@ def run(device: torch.device, data: st.DataObject, in_place: bool) -> None:
         bound = RTOL * float(peak[i])
         assert err <= bound, (name, impl, lay.name, grad_kinds[i], err, bound)
         rounded = masters[key].detach().cpu().to(BF16)
-        assert torch.equal(params[key].detach().cpu().view(torch.int16),
-                           rounded.view(torch.int16)), (name, impl, lay.name)  # fmt: skip
+        assert torch.equal(
+            params[key].detach().cpu().view(torch.int16), rounded.view(torch.int16)
+        ), (name, impl, lay.name)
         if in_place and device.type == "cpu":
             # Buffers follow the param's layout; the model's own tensor keeps its strides.
             assert masters[key].stride() == cpu_params[key].stride() or not _dense(cpu_params[key])

@@ -21,8 +21,9 @@ import mpfunc
 SHAPES = [(3, 5), (7,), (), (2, 3, 4)]
 
 
-def paper_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, lr: float, b1: float,
-               b2: float, wd: float) -> None:  # fmt: skip
+def paper_step(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, lr: float, b1: float, b2: float, wd: float
+) -> None:
     """Algorithm 2: update = sign(b1*m + (1-b1)*g); p -= lr*(update + wd*p); m = b2*m + (1-b2)*g."""
     update = torch.sign(b1 * m + (1 - b1) * g)
     p.sub_(lr * (update + wd * p))

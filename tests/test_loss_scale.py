@@ -259,62 +259,149 @@ def _f32_name(name: str, value: str) -> str:
 
 
 SETTINGS_ROWS = [
-    row("init_scale-1e39", lambda: call(DLS, 1e39), ValueError,
+    row(
+        "init_scale-1e39",
+        lambda: call(DLS, 1e39),
+        ValueError,
         rf"^{D}: {_f32_name('init_scale', '1e+39')}: expected a finite float >= 1\.17549e-38, "
-        r"got inf$"),
-    row("init_scale-subnormal", lambda: call(DLS, 1e-40), ValueError,
+        r"got inf$",
+    ),
+    row(
+        "init_scale-subnormal",
+        lambda: call(DLS, 1e-40),
+        ValueError,
         rf"^{D}: {_f32_name('init_scale', '1e-40')}: expected a finite float >= 1\.17549e-38, "
-        r"got 9\.99"),
-    row("init_scale-0-tensor", lambda: call(DLS, torch.tensor(0.0)), ValueError,
-        rf"^{D}: init_scale: expected a finite float > 0, got 0\.0$"),
-    row("init_scale-inf-float64-tensor", lambda: call(DLS, torch.tensor(1e39, dtype=torch.float64)),
-        ValueError, rf"^{D}: {_f32_name('init_scale', '1e+39')}: expected a finite float"),
-    row("init_scale-int-tensor", lambda: call(DLS, torch.tensor(4)), TypeError,
+        r"got 9\.99",
+    ),
+    row(
+        "init_scale-0-tensor",
+        lambda: call(DLS, torch.tensor(0.0)),
+        ValueError,
+        rf"^{D}: init_scale: expected a finite float > 0, got 0\.0$",
+    ),
+    row(
+        "init_scale-inf-float64-tensor",
+        lambda: call(DLS, torch.tensor(1e39, dtype=torch.float64)),
+        ValueError,
+        rf"^{D}: {_f32_name('init_scale', '1e+39')}: expected a finite float",
+    ),
+    row(
+        "init_scale-int-tensor",
+        lambda: call(DLS, torch.tensor(4)),
+        TypeError,
         rf"^{D}: init_scale: expected a finite float > 0 or a 0-d float tensor, got "
-        r"torch\.int64 tensor of shape \(\) on cpu$"),
-    row("growth_interval-2.0", lambda: call(DLS, growth_interval=2.0), TypeError,
-        rf"^{D}: growth_interval: expected an int >= 1, got 2\.0$"),
-    row("growth_interval-True", lambda: call(DLS, growth_interval=True), TypeError,
-        rf"^{D}: growth_interval: expected an int >= 1, got True$"),
-    row("growth_factor-inf", lambda: call(DLS, growth_factor=math.inf), ValueError,
-        rf"^{D}: growth_factor: expected a finite float > 1, got inf$"),
-    row("growth_factor-1e39", lambda: call(DLS, growth_factor=1e39), ValueError,
-        rf"^{D}: {_f32_name('growth_factor', '1e+39')}: expected a finite float > 1, got inf$"),
-    row("growth_factor-1+1e-9", lambda: call(DLS, growth_factor=1 + 1e-9), ValueError,
+        r"torch\.int64 tensor of shape \(\) on cpu$",
+    ),
+    row(
+        "growth_interval-2.0",
+        lambda: call(DLS, growth_interval=2.0),
+        TypeError,
+        rf"^{D}: growth_interval: expected an int >= 1, got 2\.0$",
+    ),
+    row(
+        "growth_interval-True",
+        lambda: call(DLS, growth_interval=True),
+        TypeError,
+        rf"^{D}: growth_interval: expected an int >= 1, got True$",
+    ),
+    row(
+        "growth_factor-inf",
+        lambda: call(DLS, growth_factor=math.inf),
+        ValueError,
+        rf"^{D}: growth_factor: expected a finite float > 1, got inf$",
+    ),
+    row(
+        "growth_factor-1e39",
+        lambda: call(DLS, growth_factor=1e39),
+        ValueError,
+        rf"^{D}: {_f32_name('growth_factor', '1e+39')}: expected a finite float > 1, got inf$",
+    ),
+    row(
+        "growth_factor-1+1e-9",
+        lambda: call(DLS, growth_factor=1 + 1e-9),
+        ValueError,
         rf"^{D}: {_f32_name('growth_factor', '1.000000001')}: expected a finite float > 1, "
-        r"got 1\.0$"),
-    row("growth_factor-0.5", lambda: call(DLS, growth_factor=0.5), ValueError,
-        rf"^{D}: growth_factor: expected a finite float > 1, got 0\.5$"),
-    row("backoff_factor-1-1e-9", lambda: call(DLS, backoff_factor=1 - 1e-9), ValueError,
+        r"got 1\.0$",
+    ),
+    row(
+        "growth_factor-0.5",
+        lambda: call(DLS, growth_factor=0.5),
+        ValueError,
+        rf"^{D}: growth_factor: expected a finite float > 1, got 0\.5$",
+    ),
+    row(
+        "backoff_factor-1-1e-9",
+        lambda: call(DLS, backoff_factor=1 - 1e-9),
+        ValueError,
         rf"^{D}: {_f32_name('backoff_factor', '0.999999999')}: expected a float in \(0, 1\), "
-        r"got 1\.0$"),
-    row("backoff_factor-1e-50", lambda: call(DLS, backoff_factor=1e-50), ValueError,
+        r"got 1\.0$",
+    ),
+    row(
+        "backoff_factor-1e-50",
+        lambda: call(DLS, backoff_factor=1e-50),
+        ValueError,
         rf"^{D}: {_f32_name('backoff_factor', '1e-50')}: expected a float in \(0, 1\), "
-        r"got 0\.0$"),
-    row("backoff_factor-nan", lambda: call(DLS, backoff_factor=math.nan), ValueError,
-        rf"^{D}: backoff_factor: expected a float in \(0, 1\), got nan$"),
-    row("min_scale-above-init_scale", lambda: call(DLS, 2.0**10, min_scale=2.0**11), ValueError,
-        rf"^{D}: min_scale: expected a float <= init_scale \(1024\.0\), got 2048\.0$"),
-    row("min_scale-inf", lambda: call(DLS, min_scale=math.inf), ValueError,
-        rf"^{D}: min_scale: expected a finite float >= 0, got inf$"),
-    row("min_scale-str", lambda: call(DLS, min_scale="1"), TypeError,
-        rf"^{D}: min_scale: expected a float >= 0, got str$"),
-    row("static-1e39", lambda: call(SLS, 1e39), ValueError,
+        r"got 0\.0$",
+    ),
+    row(
+        "backoff_factor-nan",
+        lambda: call(DLS, backoff_factor=math.nan),
+        ValueError,
+        rf"^{D}: backoff_factor: expected a float in \(0, 1\), got nan$",
+    ),
+    row(
+        "min_scale-above-init_scale",
+        lambda: call(DLS, 2.0**10, min_scale=2.0**11),
+        ValueError,
+        rf"^{D}: min_scale: expected a float <= init_scale \(1024\.0\), got 2048\.0$",
+    ),
+    row(
+        "min_scale-inf",
+        lambda: call(DLS, min_scale=math.inf),
+        ValueError,
+        rf"^{D}: min_scale: expected a finite float >= 0, got inf$",
+    ),
+    row(
+        "min_scale-str",
+        lambda: call(DLS, min_scale="1"),
+        TypeError,
+        rf"^{D}: min_scale: expected a float >= 0, got str$",
+    ),
+    row(
+        "static-1e39",
+        lambda: call(SLS, 1e39),
+        ValueError,
         rf"^{S}: {_f32_name('scale', '1e+39')}: expected a finite float >= 1\.17549e-38, "
-        r"got inf$"),
-    row("static-nan-tensor", lambda: call(SLS, torch.tensor(math.nan)), ValueError,
-        rf"^{S}: scale: expected a finite float > 0, got nan$"),
-    row("static-adjust-float-flag", lambda: call(SLS(2.0).adjust, torch.tensor(1.0)), TypeError,
+        r"got inf$",
+    ),
+    row(
+        "static-nan-tensor",
+        lambda: call(SLS, torch.tensor(math.nan)),
+        ValueError,
+        rf"^{S}: scale: expected a finite float > 0, got nan$",
+    ),
+    row(
+        "static-adjust-float-flag",
+        lambda: call(SLS(2.0).adjust, torch.tensor(1.0)),
+        TypeError,
         r"^StaticLossScale\.adjust: finite: expected a 0-d bool tensor, got torch\.float32 "
-        r"tensor of shape \(\) on cpu$"),
-    row("grads_to_fp32-scale-1e39",
-        lambda: call(mpfunc.grads_to_fp32, {"w": torch.ones(2)}, scale=1e39), ValueError,
-        rf"^grads_to_fp32: {_f32_name('scale', '1e+39')}: expected a finite float >= "),
-    row("grads_to_fp32_-scale-1e-40",
-        lambda: call(mpfunc.grads_to_fp32_, {"w": torch.ones(2)}, {"w": torch.ones(2)},
-                     scale=1e-40), ValueError,
-        rf"^grads_to_fp32_: {_f32_name('scale', '1e-40')}: expected a finite float >= "),
-]  # fmt: skip
+        r"tensor of shape \(\) on cpu$",
+    ),
+    row(
+        "grads_to_fp32-scale-1e39",
+        lambda: call(mpfunc.grads_to_fp32, {"w": torch.ones(2)}, scale=1e39),
+        ValueError,
+        rf"^grads_to_fp32: {_f32_name('scale', '1e+39')}: expected a finite float >= ",
+    ),
+    row(
+        "grads_to_fp32_-scale-1e-40",
+        lambda: call(
+            mpfunc.grads_to_fp32_, {"w": torch.ones(2)}, {"w": torch.ones(2)}, scale=1e-40
+        ),
+        ValueError,
+        rf"^grads_to_fp32_: {_f32_name('scale', '1e-40')}: expected a finite float >= ",
+    ),
+]
 
 
 @pytest.mark.parametrize(("make", "exc", "regex"), SETTINGS_ROWS)
@@ -449,13 +536,21 @@ def test_checkpoint_round_trip(device: torch.device, tmp_path: Any) -> None:
 
 CONFIGS = {
     # factors float32 does not hold exactly, and a floor the backoff reaches
-    "rounding-floor": (dict(init_scale=3.0, growth_interval=2, growth_factor=1.1,
-                            backoff_factor=0.3, min_scale=0.2), [1, 1, 0, 0, 0, 1, 1, 1, 0, 1]),
-    "huge-interval": (dict(init_scale=2.0**10, growth_interval=2**40),
-                      [1, 1, 1, 0, 1, 1, 1, 1, 1, 1]),
-    "floor-zero": (dict(init_scale=2.0**-120, growth_interval=3, min_scale=0.0),
-                   [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]),
-}  # fmt: skip
+    "rounding-floor": (
+        dict(
+            init_scale=3.0, growth_interval=2, growth_factor=1.1, backoff_factor=0.3, min_scale=0.2
+        ),
+        [1, 1, 0, 0, 0, 1, 1, 1, 0, 1],
+    ),
+    "huge-interval": (
+        dict(init_scale=2.0**10, growth_interval=2**40),
+        [1, 1, 1, 0, 1, 1, 1, 1, 1, 1],
+    ),
+    "floor-zero": (
+        dict(init_scale=2.0**-120, growth_interval=3, min_scale=0.0),
+        [0, 0, 0, 0, 0, 0, 0, 1, 1, 1],
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -600,8 +695,11 @@ def test_fault_injection_fp16_dynamic_scaling(device: torch.device, name: str) -
         w = w0.clone().to(device).requires_grad_(True)
         params = {"w": w}
         masters = mpfunc.init_master(params)
-        opt = {"sgd": mpfunc.sgd(lr=0.1, momentum=0.9), "adam": mpfunc.adam(lr=0.01),
-               "adamw": mpfunc.adamw(lr=0.01)}[name]  # fmt: skip
+        opt = {
+            "sgd": mpfunc.sgd(lr=0.1, momentum=0.9),
+            "adam": mpfunc.adam(lr=0.01),
+            "adamw": mpfunc.adamw(lr=0.01),
+        }[name]
         state = opt.init(masters)
         scaler = mpfunc.DynamicLossScale(2.0**4, growth_interval=3, device=device)
         gbuf = mpfunc.init_grads(params)
@@ -631,10 +729,15 @@ def test_fault_injection_fp16_dynamic_scaling(device: torch.device, name: str) -
             w.grad = None
             _sync(device)
             log.append(
-                dict(fault=fault, finite=bool(finite.cpu()), before=before,
-                     after=snapshot((masters, state)), scale=float(scaler.loss_scale.cpu()),
-                     new_scale=float(new_scaler.loss_scale.cpu()))
-            )  # fmt: skip
+                dict(
+                    fault=fault,
+                    finite=bool(finite.cpu()),
+                    before=before,
+                    after=snapshot((masters, state)),
+                    scale=float(scaler.loss_scale.cpu()),
+                    new_scale=float(new_scaler.loss_scale.cpu()),
+                )
+            )
             scaler = new_scaler
             step += 1
             if fault is None:

@@ -62,13 +62,19 @@ TorchOpt = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 TORCH_F64: dict[str, tuple[Callable[[], mpfunc.Optimizer], TorchOpt]] = {
-    "sgd": (lambda: mpfunc.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
-            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)),
-    "adam": (lambda: mpfunc.adam(lr=0.1, weight_decay=0.01, impl="fused"),
-             lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01, fused=True)),
-    "adamw": (lambda: mpfunc.adamw(lr=0.1, weight_decay=0.01, impl="fused"),
-              lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.01, fused=True)),
-}  # fmt: skip
+    "sgd": (
+        lambda: mpfunc.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False),
+    ),
+    "adam": (
+        lambda: mpfunc.adam(lr=0.1, weight_decay=0.01, impl="fused"),
+        lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01, fused=True),
+    ),
+    "adamw": (
+        lambda: mpfunc.adamw(lr=0.1, weight_decay=0.01, impl="fused"),
+        lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.01, fused=True),
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(TORCH_F64))

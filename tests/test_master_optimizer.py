@@ -96,7 +96,7 @@ SCHEDULERS: dict[str, Callable[[Any], Any]] = {
         cycle_momentum=True,
         base_momentum=0.8,
         max_momentum=0.9,
-    ),  # fmt: skip  (betas[0] cycles)
+    ),  # betas[0] cycles
     "CosineAnnealingWarmRestarts": lambda o: LS.CosineAnnealingWarmRestarts(o, T_0=4, T_mult=2),
     "OneCycleLR": lambda o: LS.OneCycleLR(o, max_lr=2e-2, total_steps=STEPS),  # betas[0] too
     "PolynomialLR": lambda o: LS.PolynomialLR(o, total_iters=8, power=2.0),
@@ -167,8 +167,10 @@ def test_sgd_momentum_cycling(cycle: str) -> None:
         sched.step()
         ref_sched.step()
         g = opt.param_groups[0]
-        assert (g["lr"], g["momentum"]) == (ref_opt.param_groups[0]["lr"],
-                                            ref_opt.param_groups[0]["momentum"])  # fmt: skip
+        assert (g["lr"], g["momentum"]) == (
+            ref_opt.param_groups[0]["lr"],
+            ref_opt.param_groups[0]["momentum"],
+        )
         momenta.add(g["momentum"])
         opt.zero_grad()
     assert len(momenta) > 2
@@ -356,8 +358,14 @@ def checkpointed_run(split: int | None) -> list[torch.Tensor]:
     for k in range(STEPS):
         if k == split:
             buf = io.BytesIO()
-            torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "model": [p.detach() for p in params]}, buf)  # fmt: skip
+            torch.save(
+                {
+                    "opt": opt.state_dict(),
+                    "sched": sched.state_dict(),
+                    "model": [p.detach() for p in params],
+                },
+                buf,
+            )
             buf.seek(0)
             ckpt = torch.load(buf, weights_only=True)
             params = make_params(seed=7)  # other values: all come from the checkpoint
@@ -398,19 +406,24 @@ def test_load_state_dict_checks_everything_before_writing() -> None:
     lr = opt.param_groups[0]["lr"]
 
     def bad(edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        sd = {"state": {k: dict(v) for k, v in good["state"].items()},
-              "param_groups": [dict(g, lr=0.5) for g in good["param_groups"]]}  # fmt: skip
+        sd = {
+            "state": {k: dict(v) for k, v in good["state"].items()},
+            "param_groups": [dict(g, lr=0.5) for g in good["param_groups"]],
+        }
         edit(sd)
         return sd
 
     cases = [
-        (lambda sd: sd["state"][2].update(exp_avg=sd["state"][2]["exp_avg"].bfloat16()),
-         ValueError, r"state\[2\].*'exp_avg'.*expected torch.float32"),
+        (
+            lambda sd: sd["state"][2].update(exp_avg=sd["state"][2]["exp_avg"].bfloat16()),
+            ValueError,
+            r"state\[2\].*'exp_avg'.*expected torch.float32",
+        ),
         (lambda sd: sd["state"][3].pop("master"), ValueError, "expected the keys"),
         (lambda sd: sd["state"][1].update(master=torch.zeros(3)), ValueError, "shape"),
         (lambda sd: sd["param_groups"][0].update(params=[0, 1]), ValueError, "expected 4 params"),
         (lambda sd: sd["state"].update({9: {}}), ValueError, "param indices"),
-    ]  # fmt: skip
+    ]
     for edit, cls, match in cases:
         with pytest.raises(cls, match=match):
             opt.load_state_dict(bad(edit))
@@ -427,20 +440,32 @@ def _without(group: dict[str, Any], key: str) -> None:
 @pytest.mark.parametrize(
     ("edit", "cls", "match"),
     [
-        (lambda g: g.update(lr="abc"), TypeError,
-         r"load_state_dict: param_groups\[1\]: adamw: lr: expected a float >= 0, got str"),
-        (lambda g: g.update(lr=-1.0), ValueError,
-         r"load_state_dict: param_groups\[1\]: adamw: lr: expected a finite float >= 0, got -1"),
-        (lambda g: _without(g, "betas"), ValueError,
-         r"load_state_dict: param_groups\[1\]: expected the hyperparameters lr, betas, eps, "
-         r"weight_decay, amsgrad, maximize, impl, state_dtype \(those of adamw\), got no betas"),
+        (
+            lambda g: g.update(lr="abc"),
+            TypeError,
+            r"load_state_dict: param_groups\[1\]: adamw: lr: expected a float >= 0, got str",
+        ),
+        (
+            lambda g: g.update(lr=-1.0),
+            ValueError,
+            r"load_state_dict: param_groups\[1\]: adamw: lr: expected a finite float >= 0, got -1",
+        ),
+        (
+            lambda g: _without(g, "betas"),
+            ValueError,
+            r"load_state_dict: param_groups\[1\]: expected the hyperparameters lr, betas, eps, "
+            r"weight_decay, amsgrad, maximize, impl, state_dtype \(those of adamw\), got no betas",
+        ),
         (lambda g: g.update(betas=(1.5, 0.9)), ValueError, r"param_groups\[1\]: adamw: betas\[0\]"),
-        (lambda g: g.update(amsgrad=True), ValueError,
-         r"param_groups\[1\]: expected values whose state this optimizer holds \(exp_avg, "
-         r"exp_avg_sq, step\), got values that use exp_avg, exp_avg_sq, max_exp_avg_sq, step"),
+        (
+            lambda g: g.update(amsgrad=True),
+            ValueError,
+            r"param_groups\[1\]: expected values whose state this optimizer holds \(exp_avg, "
+            r"exp_avg_sq, step\), got values that use exp_avg, exp_avg_sq, max_exp_avg_sq, step",
+        ),
     ],
     ids=["lr-str", "lr-negative", "no-betas", "betas", "amsgrad"],
-)  # fmt: skip
+)
 def test_load_state_dict_checks_hyperparameters_before_writing(
     edit: Callable[[dict[str, Any]], None], cls: type[Exception], match: str
 ) -> None:
@@ -452,14 +477,18 @@ def test_load_state_dict_checks_hyperparameters_before_writing(
         set_grads(k, params, fp32_copies(params))
         opt.step()
     sd = opt.state_dict()
-    sd = {"state": {k: {n: t.clone() + 1 for n, t in v.items()} for k, v in sd["state"].items()},
-          "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}  # fmt: skip
+    sd = {
+        "state": {k: {n: t.clone() + 1 for n, t in v.items()} for k, v in sd["state"].items()},
+        "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]],
+    }
     edit(sd["param_groups"][1])
     snap = snapshot([masters(opt), params, [list(opt.state[p].values()) for p in params]])
 
     def values() -> list[Any]:
-        return [({k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]])
-                for g in opt.param_groups]  # fmt: skip
+        return [
+            ({k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]])
+            for g in opt.param_groups
+        ]
 
     groups = copy.deepcopy(values())
     with pytest.raises(cls, match=match):
@@ -596,22 +625,34 @@ def _drop(entry: dict[str, Any], key: str) -> None:
 
 
 STATE_WRITES: list[tuple[Callable[[dict[str, Any]], None], type[Exception], str]] = [
-    (lambda e: e.update(exp_avg=e["exp_avg"].bfloat16()), ValueError,
-     r"at 'opt\.state\[param_groups\[0\]\.params\[1\]\]\.exp_avg': expected "
-     r"torch\.float32 tensor of shape \(4, 6\) on cpu \(like the one it replaces\), got "
-     r"torch\.bfloat16 tensor of shape \(4, 6\) on cpu"),
-    (lambda e: e.update(exp_avg_sq=torch.zeros(6, 4)), ValueError,
-     r"\.exp_avg_sq': expected torch.float32 tensor of shape \(4, 6\).*got torch"
-     r"\.float32 tensor of shape \(6, 4\)"),
+    (
+        lambda e: e.update(exp_avg=e["exp_avg"].bfloat16()),
+        ValueError,
+        r"at 'opt\.state\[param_groups\[0\]\.params\[1\]\]\.exp_avg': expected "
+        r"torch\.float32 tensor of shape \(4, 6\) on cpu \(like the one it replaces\), got "
+        r"torch\.bfloat16 tensor of shape \(4, 6\) on cpu",
+    ),
+    (
+        lambda e: e.update(exp_avg_sq=torch.zeros(6, 4)),
+        ValueError,
+        r"\.exp_avg_sq': expected torch.float32 tensor of shape \(4, 6\).*got torch"
+        r"\.float32 tensor of shape \(6, 4\)",
+    ),
     (lambda e: e.update(step=0), TypeError, r"\.step': expected .*, got int 0"),
     (lambda e: e.update(master=None), TypeError, r"\.master': expected .*, got None"),
-    (lambda e: _drop(e, "exp_avg"), ValueError,
-     r"at 'opt\.state\[param_groups\[0\]\.params\[1\]\]': expected the keys \['exp_avg', "
-     r"'exp_avg_sq', 'master', 'step'\] \(or an empty dict.*\), got \['exp_avg_sq', 'master', "
-     r"'step'\]"),
-    (lambda e: e.update(momentum_buffer=torch.zeros(4, 6)), ValueError,
-     r"expected the keys .*, got \['exp_avg', 'exp_avg_sq', 'master', 'momentum_buffer', "),
-]  # fmt: skip
+    (
+        lambda e: _drop(e, "exp_avg"),
+        ValueError,
+        r"at 'opt\.state\[param_groups\[0\]\.params\[1\]\]': expected the keys \['exp_avg', "
+        r"'exp_avg_sq', 'master', 'step'\] \(or an empty dict.*\), got \['exp_avg_sq', 'master', "
+        r"'step'\]",
+    ),
+    (
+        lambda e: e.update(momentum_buffer=torch.zeros(4, 6)),
+        ValueError,
+        r"expected the keys .*, got \['exp_avg', 'exp_avg_sq', 'master', 'momentum_buffer', ",
+    ),
+]
 
 
 @pytest.mark.parametrize("where", ["step", "state_dict"])
@@ -737,10 +778,14 @@ def test_xla_schedulers_compile_nothing_new(xla_device: torch.device, name: str)
 
 
 def test_from_torch_optim_labels_and_matches_torch() -> None:
-    model = torch.nn.ModuleDict({
-        "emb": torch.nn.Embedding(10, 4), "fc": torch.nn.Linear(4, 4),
-        "ln": torch.nn.LayerNorm(4), "head": torch.nn.Linear(4, 2),
-    })  # fmt: skip
+    model = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(10, 4),
+            "fc": torch.nn.Linear(4, 4),
+            "ln": torch.nn.LayerNorm(4),
+            "head": torch.nn.Linear(4, 2),
+        }
+    )
     model["emb"].weight.requires_grad_(False)  # frozen, yet listed in a group
     decay = [model["fc"].weight, model["emb"].weight]
     no_decay = [model["fc"].bias, model["ln"].weight, model["ln"].bias]
@@ -751,13 +796,18 @@ def test_from_torch_optim_labels_and_matches_torch() -> None:
         ],
         lr=1e-2,
         fused=True,
-    )  # fmt: skip  (head: in no group, so torch never trains it)
+    )  # head: in no group, so torch never trains it
     params = dict(model.named_parameters())
     labels, opt = mpfunc.from_torch_optim(torch_opt, params)
     assert labels == {
-        "emb.weight": "frozen", "fc.weight": "group0", "fc.bias": "group1",
-        "ln.weight": "group1", "ln.bias": "group1", "head.weight": "frozen", "head.bias": "frozen",
-    }  # fmt: skip
+        "emb.weight": "frozen",
+        "fc.weight": "group0",
+        "fc.bias": "group1",
+        "ln.weight": "group1",
+        "ln.bias": "group1",
+        "head.weight": "frozen",
+        "head.bias": "frozen",
+    }
     masters_ = mpfunc.init_master(params, trainable_only=True)
     assert masters_["emb.weight"] is None and masters_["head.weight"] is not None
     state = opt.init(masters_)
@@ -769,8 +819,12 @@ def test_from_torch_optim_labels_and_matches_torch() -> None:
         for n, p in params.items():
             p.grad = grads[n].clone() if p.requires_grad else None
         torch_opt.step()
-        mpfunc.apply_update_(masters_, {n: g if masters_[n] is not None else None
-                                        for n, g in grads.items()}, state, opt)  # fmt: skip
+        mpfunc.apply_update_(
+            masters_,
+            {n: g if masters_[n] is not None else None for n, g in grads.items()},
+            state,
+            opt,
+        )
     for n, m in masters_.items():
         if m is None:
             continue
@@ -810,8 +864,10 @@ def test_master_optimizer_from_torch() -> None:
     opt = mpfunc.MasterOptimizer.from_torch(torch_opt)
     ref_opt = torch.optim.AdamW(
         [{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "lr": 1e-3}],
-        lr=1e-2, betas=(0.8, 0.9), fused=True,
-    )  # fmt: skip
+        lr=1e-2,
+        betas=(0.8, 0.9),
+        fused=True,
+    )
     for k in range(3):
         set_grads(k, params, ref)
         opt.step()
@@ -824,8 +880,7 @@ def test_master_optimizer_from_torch() -> None:
 
 def test_frozen_optimizer_keeps_leaves_and_no_state() -> None:
     tree = {"a": torch.ones(3), "b": torch.ones(2)}
-    opt = mpfunc.partition({"t": mpfunc.sgd(lr=0.5), "f": mpfunc.frozen()},
-                           {"a": "t", "b": "f"})  # fmt: skip
+    opt = mpfunc.partition({"t": mpfunc.sgd(lr=0.5), "f": mpfunc.frozen()}, {"a": "t", "b": "f"})
     state = opt.init(tree)
     assert state["f"] is None
     grads = {"a": torch.ones(3), "b": torch.full((2,), float("nan"))}

@@ -72,10 +72,20 @@ def reference_(c: Case) -> None:
     torch._foreach_add_(c.steps, 1)
     kernel = torch._fused_adamw_ if h["decoupled"] else torch._fused_adam_
     kernel(
-        c.masters, g32, c.exp_avg, c.exp_avg_sq, c.max_exp_avg_sq if h["amsgrad"] else [],
-        c.steps, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
-        eps=h["eps"], amsgrad=h["amsgrad"], maximize=h["maximize"],
-    )  # fmt: skip
+        c.masters,
+        g32,
+        c.exp_avg,
+        c.exp_avg_sq,
+        c.max_exp_avg_sq if h["amsgrad"] else [],
+        c.steps,
+        lr=h["lr"],
+        beta1=h["beta1"],
+        beta2=h["beta2"],
+        weight_decay=h["weight_decay"],
+        eps=h["eps"],
+        amsgrad=h["amsgrad"],
+        maximize=h["maximize"],
+    )
     if c.params_out is not None:
         for o, p in zip(c.params_out, c.masters):
             o.copy_(p)
@@ -83,9 +93,15 @@ def reference_(c: Case) -> None:
 
 def native_(c: Case, **extra: Any) -> None:
     _native.adam_mixed_(
-        c.masters, c.grads, c.exp_avg, c.exp_avg_sq, c.max_exp_avg_sq, c.steps, c.params_out,
+        c.masters,
+        c.grads,
+        c.exp_avg,
+        c.exp_avg_sq,
+        c.max_exp_avg_sq,
+        c.steps,
+        c.params_out,
         **{**c.hyper, **extra},
-    )  # fmt: skip
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -104,8 +120,9 @@ def assert_bits_equal(a: Case, b: Case) -> None:
             if not torch.equal(bits(x), bits(y)):
                 diff = (x.double() - y.double()).abs().max().item()
                 n_diff = int((bits(x) != bits(y)).sum())
-                raise AssertionError(f"{name}[{i}] {tuple(x.shape)}: {n_diff} elements differ, "
-                                     f"max |diff| {diff:.3g}")  # fmt: skip
+                raise AssertionError(
+                    f"{name}[{i}] {tuple(x.shape)}: {n_diff} elements differ, max |diff| {diff:.3g}"
+                )
 
 
 def make_case(
@@ -144,9 +161,16 @@ def make_case(
     step_ts = [torch.tensor(float(k)) for k in counts]
     out = None if out_dtype is None else [m.to(out_dtype) for m in masters]
     full = dict(
-        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True,
-        amsgrad=amsgrad, maximize=False, grad_scale=None,
-    )  # fmt: skip
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        decoupled=True,
+        amsgrad=amsgrad,
+        maximize=False,
+        grad_scale=None,
+    )
     full.update(hyper)
     return Case(masters, grads, exp_avg, exp_avg_sq, max_sq, step_ts, out, full)
 
@@ -172,8 +196,8 @@ def check_against_reference(c: Case, steps: int = 1) -> None:
 
 # Lengths around torch's vector width (8, 16) and the kernel's block (32 for AVX512),
 # so that every split between vector body and scalar tail is reached.
-SHAPES = [(), (0,), (1,), (7,), (8,), (9,), (15,), (16,), (17,), (31,), (33,), (3, 5),
-          (2, 3, 4), (64,), (100,), (257,)]  # fmt: skip
+SHAPES = [(), (0,), (1,), (7,), (8,), (9,), (15,), (16,), (17,), (31,), (33,)]
+SHAPES += [(3, 5), (2, 3, 4), (64,), (100,), (257,)]
 
 
 @settings(max_examples=300)
@@ -219,12 +243,23 @@ def test_bit_identical_to_three_call_path(
     seed: int,
 ) -> None:
     c = make_case(
-        shapes, grad_dtype=grad_dtype, out_dtype=out_dtype, amsgrad=amsgrad, seed=seed,
-        steps=step_counts[: len(shapes)], gscale=gscale, pscale=pscale,
-        lr=torch.tensor(lr) if lr_tensor else lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
+        shapes,
+        grad_dtype=grad_dtype,
+        out_dtype=out_dtype,
+        amsgrad=amsgrad,
+        seed=seed,
+        steps=step_counts[: len(shapes)],
+        gscale=gscale,
+        pscale=pscale,
+        lr=torch.tensor(lr) if lr_tensor else lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        maximize=maximize,
         grad_scale=None if grad_scale is None else torch.tensor(grad_scale),
-    )  # fmt: skip
+    )
     check_against_reference(c, steps=n_steps)
 
 
@@ -233,8 +268,17 @@ def test_signed_zero_moments_at_beta1_zero(native: Any, n: int) -> None:
     """beta1 = 0 with -0 grads: the new first moment is a zero whose sign depends on the
     lerp form torch used for that element (scalar tail, its 8-wide vectorized copy, or
     the 16-wide loop). Found by hypothesis on fp16 grads that underflowed to -0."""
-    c = make_case([(n,)], grad_dtype=torch.float32, out_dtype=None, seed=n, lr=1e-4,
-                  beta1=0.0, beta2=0.0, weight_decay=0.0, decoupled=False)  # fmt: skip
+    c = make_case(
+        [(n,)],
+        grad_dtype=torch.float32,
+        out_dtype=None,
+        seed=n,
+        lr=1e-4,
+        beta1=0.0,
+        beta2=0.0,
+        weight_decay=0.0,
+        decoupled=False,
+    )
     c.grads[0].fill_(-0.0)
     c.exp_avg[0].copy_(-c.exp_avg[0].abs() - 1e-3)
     check_against_reference(c)
@@ -268,9 +312,14 @@ def test_each_dtype_pair(native: Any, grad_dtype: torch.dtype, out_dtype: torch.
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_amsgrad_maximize_and_scale(native: Any, decoupled: bool) -> None:
     c = make_case(
-        [(70,), (9,)], amsgrad=True, maximize=True, decoupled=decoupled, weight_decay=0.1,
-        grad_scale=torch.tensor(512.0), steps=[5, 0],
-    )  # fmt: skip
+        [(70,), (9,)],
+        amsgrad=True,
+        maximize=True,
+        decoupled=decoupled,
+        weight_decay=0.1,
+        grad_scale=torch.tensor(512.0),
+        steps=[5, 0],
+    )
     check_against_reference(c, steps=4)
 
 
@@ -284,8 +333,15 @@ def test_signed_zeros_in_every_loop_region(native: Any, beta1: float, decoupled:
     g + (w - 1) * (g - m) differ in the sign of a zero result; each region keeps its own.
     """
     shapes = [(n,) for n in (7, 8, 15, 16, 23, 24, 31, 40, 47)]
-    c = make_case(shapes, grad_dtype=torch.float32, beta1=beta1, decoupled=decoupled,
-                  weight_decay=0.0, amsgrad=True, steps=[1] * len(shapes))  # fmt: skip
+    c = make_case(
+        shapes,
+        grad_dtype=torch.float32,
+        beta1=beta1,
+        decoupled=decoupled,
+        weight_decay=0.0,
+        amsgrad=True,
+        steps=[1] * len(shapes),
+    )
     for i, shape in enumerate(shapes):
         signs = torch.where(torch.arange(shape[0]) % 3 == 0, -1.0, 1.0)
         c.grads[i][::2] = (0.0 * signs)[::2]
@@ -352,10 +408,13 @@ def test_same_permuted_layout_is_updated_in_memory_order(native: Any) -> None:
 
     c = make_case([(63,)], amsgrad=True)
     c = c._replace(
-        masters=[t(c.masters[0])], grads=[t(c.grads[0])], exp_avg=[t(c.exp_avg[0])],
-        exp_avg_sq=[t(c.exp_avg_sq[0])], max_exp_avg_sq=[t(c.max_exp_avg_sq[0])],  # type: ignore[index]
+        masters=[t(c.masters[0])],
+        grads=[t(c.grads[0])],
+        exp_avg=[t(c.exp_avg[0])],
+        exp_avg_sq=[t(c.exp_avg_sq[0])],
+        max_exp_avg_sq=[t(c.max_exp_avg_sq[0])],  # type: ignore[index]
         params_out=[t(c.params_out[0])],  # type: ignore[index]
-    )  # fmt: skip
+    )
     assert not c.masters[0].is_contiguous()
     ptrs = [x.data_ptr() for x in (c.masters[0], c.exp_avg[0], c.params_out[0])]  # type: ignore[index]
     check_against_reference(c, steps=2)
@@ -428,8 +487,14 @@ def test_dense_but_differently_permuted(native: Any) -> None:
 
 def test_written_tensors_bump_their_version(native: Any) -> None:
     c = make_case([(5,)], amsgrad=True)
-    written = [c.masters[0], c.exp_avg[0], c.exp_avg_sq[0], c.max_exp_avg_sq[0], c.steps[0],  # type: ignore[index]
-               c.params_out[0]]  # type: ignore[index]  # fmt: skip
+    written = [
+        c.masters[0],
+        c.exp_avg[0],
+        c.exp_avg_sq[0],
+        c.max_exp_avg_sq[0],
+        c.steps[0],  # type: ignore[index]
+        c.params_out[0],
+    ]  # type: ignore[index]
     before = [t._version for t in written]
     grad_version = c.grads[0]._version
     native_(c)
@@ -494,13 +559,13 @@ def test_widening_every_16_bit_pattern(native: Any, dtype: torch.dtype) -> None:
 
 
 def _specials32() -> torch.Tensor:
-    pats = [
-        0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF,
-        0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FD12345, 0xFF812345,
-        0x3F808000, 0x3F818000, 0xBF808000, 0x3F807FFF, 0x3F808001, 0x00008000, 0x33800000,
-        0x477FF000, 0x477FEFFF, 0x477FF001, 0x38800000, 0x387FE000, 0x33000000, 0x33000001,
-        0x7F7F8000, 0x7F7F7FFF, 0x7F7FC000, 0x47800000, 0xC77FF000, 0x337FFFFF,
-    ]  # fmt: skip
+    words = """
+        00000000 80000000 00000001 807FFFFF 00800000 7F7FFFFF FF7FFFFF 7F800000 FF800000
+        7FC00000 FFC00000 7F800001 7FD12345 FF812345 3F808000 3F818000 BF808000 3F807FFF
+        3F808001 00008000 33800000 477FF000 477FEFFF 477FF001 38800000 387FE000 33000000
+        33000001 7F7F8000 7F7F7FFF 7F7FC000 47800000 C77FF000 337FFFFF
+    """
+    pats = [int(w, 16) for w in words.split()]
     return torch.tensor([p - (1 << 32) if p >= 1 << 31 else p for p in pats]).to(torch.int32)
 
 
@@ -551,44 +616,129 @@ def _hyper(**kw: Any) -> Bad:
 
 
 ERRORS: list[tuple[str, Bad, type[Exception], str]] = [
-    ("short grads", lambda c: c._replace(grads=c.grads[:1]), ValueError,
-     _msg("grads", "a list of 2 tensors (one per master)", "a list of 1")),
-    ("fp64 master", _set("masters", 1, lambda c: c.masters[1].double()), TypeError,
-     _msg("masters[1]", "a float32 strided CPU tensor",
-          "torch.float64 tensor of shape (5,) on cpu")),
-    ("int grad", _set("grads", 0, lambda c: torch.zeros(3, dtype=torch.int32)), TypeError,
-     _msg("grads[0]", "a float32, bfloat16 or float16 strided CPU tensor",
-          "torch.int32 tensor of shape (3,) on cpu")),
-    ("mixed grad dtypes", _set("grads", 1, lambda c: c.grads[1].half()), TypeError,
-     _msg("grads[1]", "the dtype of grads[0] (torch.bfloat16)",
-          "torch.float16 tensor of shape (5,) on cpu")),
-    ("grad shape", _set("grads", 1, lambda c: c.grads[1][:4]), ValueError,
-     _msg("grads[1]", "shape (5,) (the master's)", "shape (4,)")),
-    ("meta exp_avg", _set("exp_avg", 0, lambda c: torch.empty(3, device="meta")), TypeError,
-     _msg("exp_avg[0]", "a float32 strided CPU tensor",
-          "torch.float32 tensor of shape (3,) on meta")),
-    ("expanded exp_avg_sq", _set("exp_avg_sq", 1, lambda c: torch.zeros(1).expand(5)),
-     ValueError, _msg("exp_avg_sq[1]", "a tensor whose elements do not overlap",
-                      "an expanded or self-overlapping view of shape (5,)")),
-    ("int64 step", _set("steps", 1, lambda c: torch.tensor(3)), TypeError,
-     _msg("steps[1]", "a one-element float32 CPU tensor", "torch.int64 tensor of shape () on cpu")),
-    ("out dtypes differ", _set("params_out", 1, lambda c: torch.zeros(5, dtype=torch.half)),
-     TypeError, _msg("params_out[1]", "the dtype of params_out[0] (torch.bfloat16)",
-                     "torch.float16 tensor of shape (5,) on cpu")),
-    ("amsgrad without max", _hyper(amsgrad=True), ValueError,
-     _msg("max_exp_avg_sq", "a list of 2 tensors (one per master)", "a list of 0")),
-    ("max without amsgrad", lambda c: c._replace(max_exp_avg_sq=[torch.zeros(3)]), ValueError,
-     _msg("max_exp_avg_sq", "an empty list (amsgrad=False)", "a list of 1")),
-    ("two-element lr", _hyper(lr=torch.ones(2)), TypeError,
-     _msg("lr", "a one-element floating-point CPU tensor",
-          "torch.float32 tensor of shape (2,) on cpu")),
-    ("inference master", _set("masters", 0, lambda c: _inference(c.masters[0])), ValueError,
-     _msg("masters[0]", "a tensor that can be updated in place",
-          "an inference tensor outside torch.inference_mode()")),
-    ("int found_inf", _hyper(found_inf=torch.tensor(1)), TypeError,
-     _msg("found_inf", "a one-element floating-point or bool CPU tensor",
-          "torch.int64 tensor of shape () on cpu")),
-]  # fmt: skip
+    (
+        "short grads",
+        lambda c: c._replace(grads=c.grads[:1]),
+        ValueError,
+        _msg("grads", "a list of 2 tensors (one per master)", "a list of 1"),
+    ),
+    (
+        "fp64 master",
+        _set("masters", 1, lambda c: c.masters[1].double()),
+        TypeError,
+        _msg(
+            "masters[1]",
+            "a float32 strided CPU tensor",
+            "torch.float64 tensor of shape (5,) on cpu",
+        ),
+    ),
+    (
+        "int grad",
+        _set("grads", 0, lambda c: torch.zeros(3, dtype=torch.int32)),
+        TypeError,
+        _msg(
+            "grads[0]",
+            "a float32, bfloat16 or float16 strided CPU tensor",
+            "torch.int32 tensor of shape (3,) on cpu",
+        ),
+    ),
+    (
+        "mixed grad dtypes",
+        _set("grads", 1, lambda c: c.grads[1].half()),
+        TypeError,
+        _msg(
+            "grads[1]",
+            "the dtype of grads[0] (torch.bfloat16)",
+            "torch.float16 tensor of shape (5,) on cpu",
+        ),
+    ),
+    (
+        "grad shape",
+        _set("grads", 1, lambda c: c.grads[1][:4]),
+        ValueError,
+        _msg("grads[1]", "shape (5,) (the master's)", "shape (4,)"),
+    ),
+    (
+        "meta exp_avg",
+        _set("exp_avg", 0, lambda c: torch.empty(3, device="meta")),
+        TypeError,
+        _msg(
+            "exp_avg[0]",
+            "a float32 strided CPU tensor",
+            "torch.float32 tensor of shape (3,) on meta",
+        ),
+    ),
+    (
+        "expanded exp_avg_sq",
+        _set("exp_avg_sq", 1, lambda c: torch.zeros(1).expand(5)),
+        ValueError,
+        _msg(
+            "exp_avg_sq[1]",
+            "a tensor whose elements do not overlap",
+            "an expanded or self-overlapping view of shape (5,)",
+        ),
+    ),
+    (
+        "int64 step",
+        _set("steps", 1, lambda c: torch.tensor(3)),
+        TypeError,
+        _msg(
+            "steps[1]", "a one-element float32 CPU tensor", "torch.int64 tensor of shape () on cpu"
+        ),
+    ),
+    (
+        "out dtypes differ",
+        _set("params_out", 1, lambda c: torch.zeros(5, dtype=torch.half)),
+        TypeError,
+        _msg(
+            "params_out[1]",
+            "the dtype of params_out[0] (torch.bfloat16)",
+            "torch.float16 tensor of shape (5,) on cpu",
+        ),
+    ),
+    (
+        "amsgrad without max",
+        _hyper(amsgrad=True),
+        ValueError,
+        _msg("max_exp_avg_sq", "a list of 2 tensors (one per master)", "a list of 0"),
+    ),
+    (
+        "max without amsgrad",
+        lambda c: c._replace(max_exp_avg_sq=[torch.zeros(3)]),
+        ValueError,
+        _msg("max_exp_avg_sq", "an empty list (amsgrad=False)", "a list of 1"),
+    ),
+    (
+        "two-element lr",
+        _hyper(lr=torch.ones(2)),
+        TypeError,
+        _msg(
+            "lr",
+            "a one-element floating-point CPU tensor",
+            "torch.float32 tensor of shape (2,) on cpu",
+        ),
+    ),
+    (
+        "inference master",
+        _set("masters", 0, lambda c: _inference(c.masters[0])),
+        ValueError,
+        _msg(
+            "masters[0]",
+            "a tensor that can be updated in place",
+            "an inference tensor outside torch.inference_mode()",
+        ),
+    ),
+    (
+        "int found_inf",
+        _hyper(found_inf=torch.tensor(1)),
+        TypeError,
+        _msg(
+            "found_inf",
+            "a one-element floating-point or bool CPU tensor",
+            "torch.int64 tensor of shape () on cpu",
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "bad", "exc", "pattern"), ERRORS, ids=[e[0] for e in ERRORS])
@@ -596,8 +746,16 @@ def test_bad_input_raises_before_any_write(
     native: Any, name: str, bad: Bad, exc: type[Exception], pattern: str
 ) -> None:
     c = bad(make_case([(3,), (5,)], steps=[1, 2]))
-    everything = [c.masters, c.grads, c.exp_avg, c.exp_avg_sq, c.max_exp_avg_sq, c.steps,
-                  c.params_out, c.hyper]  # fmt: skip
+    everything = [
+        c.masters,
+        c.grads,
+        c.exp_avg,
+        c.exp_avg_sq,
+        c.max_exp_avg_sq,
+        c.steps,
+        c.params_out,
+        c.hyper,
+    ]
     # An expanded view cannot be read as bytes; its one-element base stands for it. An
     # inference tensor has no version to read (and nothing may write it).
     snap = snapshot(

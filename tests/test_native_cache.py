@@ -78,8 +78,9 @@ def test_a_cached_library_that_does_not_import_is_built_again(
         assert _native.load() is built
     assert seen == [["build.ninja"]]  # no library, no object file, no lock left
     assert _native.build_info()["build_s"] is not None
-    assert any(said in r.getMessage() and "building it again" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        said in r.getMessage() and "building it again" in r.getMessage() for r in caplog.records
+    )
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpfunc
-from mpfunc.backends import _native
 from mpfunc.core._optimizer import Group
+from mpfunc.optim import _adam
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
 
@@ -47,13 +47,13 @@ def native() -> Any:
 @pytest.fixture
 def composed(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[int]]:
     seen: list[int] = []
-    real = _native._composed
+    real = _adam._composed
 
     def spy(group: Group, h: Any) -> None:
         seen.append(len(group.params))
         real(group, h)
 
-    monkeypatch.setattr(_native, "_composed", spy)
+    monkeypatch.setattr(_adam, "_composed", spy)
     yield seen
 
 

@@ -25,6 +25,7 @@ import mpfunc
 from mpfunc.backends import _native
 from mpfunc.core import _cache
 from mpfunc.core._optimizer import Group
+from mpfunc.optim import _adam, _lion, _sgd
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
 from tests.test_native_composed import LAYOUTS, STATE_DTYPES, STRATEGIES, _laid, _numel, _values
@@ -42,19 +43,19 @@ def native() -> Any:
 @pytest.fixture
 def ran(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[int]]:
     seen: list[int] = []
-    real = _native._rule_step
+    real = _native.rule_step
 
     def spy(group: Group, *args: Any) -> None:
         seen.append(len(group.params))
         real(group, *args)
 
-    monkeypatch.setattr(_native, "_rule_step", spy)
+    monkeypatch.setattr(_native, "rule_step", spy)
     yield seen
 
 
 def _serves(name: str, betas: tuple[float, float] = (0.9, 0.99)) -> bool:
     """Whether the native pass takes this rule here (its probe of this torch agreed)."""
-    kernel = _native.lion_kernel if name == "lion" else _native.sgd_kernel
+    kernel = _lion._native_kernel if name == "lion" else _sgd._native_kernel
     return _native.serves(kernel, SimpleNamespace(beta1=betas[0], beta2=betas[1]))
 
 
@@ -279,4 +280,4 @@ def test_the_probe_agrees_here_and_a_disagreeing_torch_keeps_the_torch_path(
             state = opt.init(masters)
             mpfunc.apply_update_(masters, {"w": torch.randn(100)}, state, opt)
     assert ran == []
-    assert not _serves("sgd") and _native.serves(_native.adam_kernel, None)
+    assert not _serves("sgd") and _native.serves(_adam._native_kernel, None)

@@ -35,7 +35,7 @@ def calls(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[str]]:
     """Records each native kernel call (``adam`` groups and ``cast`` groups). The optimizer
     must be built inside the test: its rule takes the kernel when it is made."""
     seen: list[str] = []
-    adam, cast = _native.adam_kernel, _native.cast_
+    adam, cast = _adam._native_kernel, _native.cast_
 
     def adam_spy(group: Group, h: Any) -> None:
         seen.append("adam")
@@ -45,7 +45,7 @@ def calls(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[str]]:
         seen.append("cast")
         cast(dst, src)
 
-    monkeypatch.setattr(_native, "adam_kernel", adam_spy)
+    monkeypatch.setattr(_adam, "_native_kernel", adam_spy)
     monkeypatch.setattr(_native, "cast_", cast_spy)
     yield seen
 
@@ -135,12 +135,21 @@ def _tree(draw: st.DrawFn, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
     seed=st.integers(0, 2**20),
 )
 def test_auto_is_bit_identical_to_torchs_fused_kernel(
-    native: Any, data: st.DataObject, decoupled: bool, amsgrad: bool, maximize: bool,
-    weight_decay: float, lr: str, skip: bool | None, steps: int, seed: int,
-) -> None:  # fmt: skip
+    native: Any,
+    data: st.DataObject,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    weight_decay: float,
+    lr: str,
+    skip: bool | None,
+    steps: int,
+    seed: int,
+) -> None:
     masters, grads = _tree(data.draw, seed)
-    rate: Any = {"float": 3e-3, "tensor": torch.tensor(3e-3),
-                 "schedule": lambda t: 1e-2 / (1 + t)}[lr]  # fmt: skip
+    rate: Any = {"float": 3e-3, "tensor": torch.tensor(3e-3), "schedule": lambda t: 1e-2 / (1 + t)}[
+        lr
+    ]
     make = mpfunc.adamw if decoupled else mpfunc.adam
     kw = dict(lr=rate, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
     auto, fused = make(**kw), make(**kw, impl="fused")  # type: ignore[arg-type]
@@ -188,8 +197,9 @@ def test_kernel_contract_matches_the_three_calls(
     got_s = opt.init(got_m)
     got_p = {k: v.clone() for k, v in params.items()}
     for _ in range(2):
-        g32 = mpfunc.grads_to_fp32_(grads, {k: torch.empty_like(m) for k, m in masters.items()},
-                                    scale=scale)  # fmt: skip
+        g32 = mpfunc.grads_to_fp32_(
+            grads, {k: torch.empty_like(m) for k, m in masters.items()}, scale=scale
+        )
         mpfunc.apply_update_(ref_m, g32, ref_s, opt, flag)
         if model_dtype is not None:
             mpfunc.masters_to_model_(ref_m, ref_p)
@@ -197,10 +207,15 @@ def test_kernel_contract_matches_the_three_calls(
         fields = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         s = got_s._replace(**{f: [getattr(got_s, f)[k] for k in keys] for f in fields})
         group = Group(
-            [got_m[k] for k in keys], [grads[k] for k in keys], s, 1e-3, flag,
-            model=[got_p[k] for k in keys] if model_dtype is not None else None, scale=scale,
-        )  # fmt: skip
-        _native.adam_kernel(group, hyper)
+            [got_m[k] for k in keys],
+            [grads[k] for k in keys],
+            s,
+            1e-3,
+            flag,
+            model=[got_p[k] for k in keys] if model_dtype is not None else None,
+            scale=scale,
+        )
+        _adam._native_kernel(group, hyper)
     assert_trees_bits_equal(got_m, ref_m)
     assert_trees_bits_equal(got_s, ref_s)
     assert_trees_bits_equal(got_p, ref_p)
@@ -220,10 +235,18 @@ def test_kernel_contract_matches_the_three_calls(
     seed=st.integers(0, 2**20),
 )
 def test_single_pass_through_the_public_api(
-    calls: list[str], data: st.DataObject, low: torch.dtype, grads_low: bool,
-    scale: Any, decoupled: bool, amsgrad: bool, maximize: bool, skip: bool | None,
-    steps: int, seed: int,
-) -> None:  # fmt: skip
+    calls: list[str],
+    data: st.DataObject,
+    low: torch.dtype,
+    grads_low: bool,
+    scale: Any,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    skip: bool | None,
+    steps: int,
+    seed: int,
+) -> None:
     """``apply_update_(masters, grads, state, opt, params=, scale=)`` runs the native kernel
     and gives, bit for bit, ``grads_to_fp32_(scale=)`` + torch's fused step +
     ``masters_to_model_``."""

@@ -86,10 +86,12 @@ def test_partition_matches_param_groups_on_every_device(
     params = realize(spec, device)
     masters = mpfunc.init_master(params)
     opt = mpfunc.partition(
-        {"decay": mpfunc.adamw(lr=1e-2, weight_decay=0.1),
-         "no_decay": mpfunc.adamw(lr=1e-2, weight_decay=0.0)},
+        {
+            "decay": mpfunc.adamw(lr=1e-2, weight_decay=0.1),
+            "no_decay": mpfunc.adamw(lr=1e-2, weight_decay=0.0),
+        },
         lambda path, p: "no_decay" if p.ndim < 2 else "decay",
-    )  # fmt: skip
+    )
     state = opt.init(masters)
     m_leaves = [m for m in leaves(masters) if m is not None]
     refs = [m.detach().cpu().clone() for m in m_leaves]

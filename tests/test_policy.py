@@ -32,17 +32,30 @@ CANONICAL = {
 }
 # Every name Policy.parse accepts, and the dtype it means.
 NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-    "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16,
-    "half": torch.float16, "float64": torch.float64, "fp64": torch.float64,
-    "f64": torch.float64, "double": torch.float64,
-}  # fmt: skip
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "f64": torch.float64,
+    "double": torch.float64,
+}
 KEYS = {
-    "params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
-    "compute": "compute_dtype", "c": "compute_dtype",
-    "output": "output_dtype", "o": "output_dtype",
-}  # fmt: skip
+    "params": "param_dtype",
+    "param": "param_dtype",
+    "p": "param_dtype",
+    "compute": "compute_dtype",
+    "c": "compute_dtype",
+    "output": "output_dtype",
+    "o": "output_dtype",
+}
 
 
 def per_device(device: torch.device, cpu: int, xla: int) -> Any:

@@ -34,8 +34,9 @@ def test_the_readme_has_python_blocks() -> None:
 
 
 @pytest.mark.parametrize("block", ALL, ids=[_id(b) for b in ALL])
-def test_readme_block_runs(block: readme.Block, tmp_path: pathlib.Path,
-                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_readme_block_runs(
+    block: readme.Block, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)  # files a block writes (run.pt) land here
     if block.marker.startswith("skip"):
         pytest.skip(f"README.md:{block.line}: {block.marker}")
@@ -66,11 +67,19 @@ finally:
 
 
 def _run_distributed(block: readme.Block, tmp: pathlib.Path) -> None:
-    script = _DIST.format(tests=str(pathlib.Path(__file__).parent), store=str(tmp / "store"),
-                          block=json.dumps(list(block)))  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         cwd=tmp)  # fmt: skip
+    script = _DIST.format(
+        tests=str(pathlib.Path(__file__).parent),
+        store=str(tmp / "store"),
+        block=json.dumps(list(block)),
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=tmp,
+    )
     assert run.returncode == 0, f"README.md:{block.line}:\n{run.stderr[-3000:]}"
 
 

@@ -60,8 +60,13 @@ def spmd_process(args: list[str], devices: int) -> subprocess.CompletedProcess[s
     # LLVM's optimizations off: XLA:CPU compiles each step graph ~3x faster. The SPMD
     # partitioner (shardings, collectives) runs before and is unaffected.
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), OMP_NUM_THREADS="1",
-               XLA_FLAGS=flags)  # fmt: skip
+    env = dict(
+        os.environ,
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=str(devices),
+        OMP_NUM_THREADS="1",
+        XLA_FLAGS=flags,
+    )
     proc = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=300
     )
@@ -188,8 +193,11 @@ def test_example() -> None:
     example = str(REPO / "examples" / "spmd_train.py")
     out = spmd_process([example, "--steps", "20", "--mode", "dp", "zero1", "fsdp"], 4).stdout
     for mode in ("dp", "zero1", "fsdp"):
-        losses = [float(ln.split("loss ")[1]) for ln in out.splitlines() if ln.startswith(mode)
-                  and "loss" in ln]  # fmt: skip
+        losses = [
+            float(ln.split("loss ")[1])
+            for ln in out.splitlines()
+            if ln.startswith(mode) and "loss" in ln
+        ]
         assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], (mode, out)
         (line,) = [ln for ln in out.splitlines() if ln.startswith(mode) and "per device" in ln]
         held, full = line.split(": ")[1].split(" of ")

@@ -164,8 +164,9 @@ def test_resume_is_bit_exact() -> None:
 # --- the functional form -----------------------------------------------------------------
 
 
-def _functional(strategy: str, sd: torch.dtype, partitioned: bool, scale: Any, stats: bool,
-                sib: bool) -> tuple[list[torch.Tensor], Any]:  # fmt: skip
+def _functional(
+    strategy: str, sd: torch.dtype, partitioned: bool, scale: Any, stats: bool, sib: bool
+) -> tuple[list[torch.Tensor], Any]:
     net = make_net(scalar=False)
     params = dict(net.named_parameters())
     masters = mpfunc.init_master(params, strategy=strategy)
@@ -336,8 +337,9 @@ def test_dynamic_loss_scale_is_refused_up_front() -> None:
     masters = mpfunc.init_master(params)
     opt = mpfunc.adamw(lr=1e-2)
     with pytest.raises(TypeError, match=r"DynamicLossScale.*whole tree"):
-        mpfunc.step_in_backward(params, masters, opt.init(masters), opt,
-                                scale=mpfunc.DynamicLossScale())  # fmt: skip
+        mpfunc.step_in_backward(
+            params, masters, opt.init(masters), opt, scale=mpfunc.DynamicLossScale()
+        )
     assert all(not p._post_accumulate_grad_hooks for p in params)
 
 
@@ -512,8 +514,9 @@ def test_frozen_then_unfrozen() -> None:
             loss_of(net, k).backward()
             opt.step()
             opt.zero_grad()
-    assert_all_bits([p.detach() for p in nets[0].parameters()],
-                    [p.detach() for p in nets[1].parameters()])  # fmt: skip
+    assert_all_bits(
+        [p.detach() for p in nets[0].parameters()], [p.detach() for p in nets[1].parameters()]
+    )
     assert_all_bits(state_tensors(opts[0]), state_tensors(opts[1]))
     w = torch.randn(40, dtype=torch.bfloat16)
     masters = mpfunc.init_master([w])
@@ -540,8 +543,9 @@ def test_add_param_group_is_hooked() -> None:
                 assert net.lin.weight.grad is None  # stepped by its hook
             opt.step()
             opt.zero_grad()
-    assert_all_bits([p.detach() for p in nets[0].parameters()],
-                    [p.detach() for p in nets[1].parameters()])  # fmt: skip
+    assert_all_bits(
+        [p.detach() for p in nets[0].parameters()], [p.detach() for p in nets[1].parameters()]
+    )
 
 
 def test_data_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

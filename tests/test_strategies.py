@@ -80,8 +80,17 @@ def _case(data: st.DataObject, device: torch.device) -> dict[str, Any]:
     skips = [data.draw(st.booleans(), label=f"skip{k}") for k in range(steps)]
     scale = data.draw(st.sampled_from([None, 1024.0, "tensor"]), label="scale")
     seed = data.draw(st.integers(0, 2**16), label="seed")
-    return dict(factory=factory, hp=hp, impl=impl, layouts=layouts, kinds=kinds, steps=steps,
-                skips=skips, scale=scale, seed=seed)  # fmt: skip
+    return dict(
+        factory=factory,
+        hp=hp,
+        impl=impl,
+        layouts=layouts,
+        kinds=kinds,
+        steps=steps,
+        skips=skips,
+        scale=scale,
+        seed=seed,
+    )
 
 
 def _params(c: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
@@ -424,16 +433,20 @@ def test_stats_report_swallowed_updates_and_ratio() -> None:
 
 def _tiny(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(8, 8, generator=gen).to(BF16),
-            "b": torch.randn(32, generator=gen).to(BF16)}  # fmt: skip
+    return {
+        "w": torch.randn(8, 8, generator=gen).to(BF16),
+        "b": torch.randn(32, generator=gen).to(BF16),
+    }
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_is_bit_exact(strategy: str, state_dtype: Any, tmp_path: Any) -> None:
     gen = torch.Generator().manual_seed(1)
-    grads = [{k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in _tiny().items()}
-             for _ in range(4)]  # fmt: skip
+    grads = [
+        {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in _tiny().items()}
+        for _ in range(4)
+    ]
     opt = mpfunc.adamw(lr=1e-2, state_dtype=state_dtype)
     p = _tiny()
     m = mpfunc.init_master(p, strategy=strategy, seed=5)
@@ -512,14 +525,29 @@ def _raises(exc: type[Exception], match: str, fn: Any, *args: Any, **kwargs: Any
 
 def test_errors_name_the_path_and_write_nothing() -> None:
     f32 = {"a": torch.zeros(4), "b": torch.zeros(4, dtype=BF16)}
-    _raises(ValueError, r"init_master: at 'params\.a': expected a param the 'remainder' "
-            r"strategy applies to, got torch\.float32 .*Use the 'fp32' strategy",
-            mpfunc.init_master, f32, strategy="remainder")  # fmt: skip
+    _raises(
+        ValueError,
+        r"init_master: at 'params\.a': expected a param the 'remainder' "
+        r"strategy applies to, got torch\.float32 .*Use the 'fp32' strategy",
+        mpfunc.init_master,
+        f32,
+        strategy="remainder",
+    )
     f16 = {"h": torch.zeros(4, dtype=torch.float16)}
-    _raises(ValueError, r"at 'params\.h'.*'stochastic'.*float16.*'kahan'",
-            mpfunc.init_master, f16, strategy="stochastic")  # fmt: skip
-    _raises(ValueError, r"strategy: expected a strategy name .*'fp32'.*got 'fp8'",
-            mpfunc.init_master, f32, strategy="fp8")  # fmt: skip
+    _raises(
+        ValueError,
+        r"at 'params\.h'.*'stochastic'.*float16.*'kahan'",
+        mpfunc.init_master,
+        f16,
+        strategy="stochastic",
+    )
+    _raises(
+        ValueError,
+        r"strategy: expected a strategy name .*'fp32'.*got 'fp8'",
+        mpfunc.init_master,
+        f32,
+        strategy="fp8",
+    )
     _raises(
         ValueError,
         r"strategy\('b'\): expected a strategy name",
@@ -527,15 +555,25 @@ def test_errors_name_the_path_and_write_nothing() -> None:
         f32,
         strategy=lambda path, p: "x" if path == "b" else "fp32",
     )
-    _raises(ValueError, r"params and strategy must have the same tree structure",
-            mpfunc.init_master, f32, strategy={"a": "fp32"})  # fmt: skip
+    _raises(
+        ValueError,
+        r"params and strategy must have the same tree structure",
+        mpfunc.init_master,
+        f32,
+        strategy={"a": "fp32"},
+    )
     bias = {"bias": torch.zeros(3, dtype=BF16)}
     mb = mpfunc.init_master(bias, strategy="stochastic")
-    _raises(ValueError, r"adamw\.init: at 'masters\.bias': expected a leaf of at least 32 "
-            r"elements for state_dtype=torch\.uint8, got 3 elements\. .*partition",
-            mpfunc.adamw(state_dtype=torch.uint8).init, mb)  # fmt: skip
-    _raises(ValueError, r"state_dtype: expected None or one of",
-            mpfunc.adamw, state_dtype=torch.float16)  # fmt: skip
+    _raises(
+        ValueError,
+        r"adamw\.init: at 'masters\.bias': expected a leaf of at least 32 "
+        r"elements for state_dtype=torch\.uint8, got 3 elements\. .*partition",
+        mpfunc.adamw(state_dtype=torch.uint8).init,
+        mb,
+    )
+    _raises(
+        ValueError, r"state_dtype: expected None or one of", mpfunc.adamw, state_dtype=torch.float16
+    )
     p = _tiny()
     m = mpfunc.init_master(p, strategy="remainder")
     opt = mpfunc.adamw()
@@ -565,13 +603,35 @@ def test_errors_name_the_path_and_write_nothing() -> None:
         opt,
     )
     s8 = mpfunc.adamw(state_dtype=torch.uint8).init(m)
-    _raises(TypeError, r"at 'state\.exp_avg\.b': expected a tensor or None leaf, got QState",
-            mpfunc.apply_update_, m, g, s8, opt)  # fmt: skip
+    _raises(
+        TypeError,
+        r"at 'state\.exp_avg\.b': expected a tensor or None leaf, got QState",
+        mpfunc.apply_update_,
+        m,
+        g,
+        s8,
+        opt,
+    )
     s16 = mpfunc.adamw(state_dtype=torch.bfloat16).init(m)
-    _raises(TypeError, r"at 'state\.exp_avg\.b': expected torch\.float32 \(the state's dtype\), "
-            r"got torch\.bfloat16", mpfunc.apply_update_, m, g, s16, opt)  # fmt: skip
-    _raises(TypeError, r"at 'grads\.w': expected a grad no wider than its 32-bit master",
-            mpfunc.apply_update_, m, {"w": g["w"].double(), "b": g["b"]}, s, opt)  # fmt: skip
+    _raises(
+        TypeError,
+        r"at 'state\.exp_avg\.b': expected torch\.float32 \(the state's dtype\), "
+        r"got torch\.bfloat16",
+        mpfunc.apply_update_,
+        m,
+        g,
+        s16,
+        opt,
+    )
+    _raises(
+        TypeError,
+        r"at 'grads\.w': expected a grad no wider than its 32-bit master",
+        mpfunc.apply_update_,
+        m,
+        {"w": g["w"].double(), "b": g["b"]},
+        s,
+        opt,
+    )
 
 
 # --- XLA: one stable graph per step ---------------------------------------------------------
@@ -606,8 +666,11 @@ def test_xla_every_strategy_and_state_dtype_is_one_stable_graph(xla_device: torc
         mp_fallbacks: dict[str, int] = {}
         for k, x in enumerate(xs):
             if device.type == "xla" and k == 2:
-                counts = {"compiles": count("CompileTime"), "graphs": count("ExecuteTime"),
-                          "to_host": count("TransferFromDeviceTime")}  # fmt: skip
+                counts = {
+                    "compiles": count("CompileTime"),
+                    "graphs": count("ExecuteTime"),
+                    "to_host": count("TransferFromDeviceTime"),
+                }
             xd = x.to(device)
             grads = {n: (p.float() * xd).sin().to(BF16) for n, p in params.items()}
             before = fallbacks() if device.type == "xla" else {}
@@ -621,9 +684,11 @@ def test_xla_every_strategy_and_state_dtype_is_one_stable_graph(xla_device: torc
                 torch_xla.sync()
                 xm.wait_device_ops()
         if device.type == "xla":
-            counts = {"compiles": count("CompileTime") - counts["compiles"],
-                      "graphs": count("ExecuteTime") - counts["graphs"],
-                      "to_host": count("TransferFromDeviceTime") - counts["to_host"]}  # fmt: skip
+            counts = {
+                "compiles": count("CompileTime") - counts["compiles"],
+                "graphs": count("ExecuteTime") - counts["graphs"],
+                "to_host": count("TransferFromDeviceTime") - counts["to_host"],
+            }
             assert mp_fallbacks == {}, f"mpfunc fell back to CPU for {mp_fallbacks}"
         return mpfunc.masters_state_dict(masters), counts
 
@@ -664,14 +729,34 @@ def test_three_call_path_keeps_working(strategy: str) -> None:
 def test_masters_from_remainders_refuses_bad_input() -> None:
     p = {"w": torch.randn(4, 8).to(BF16)}
     r = {"w": torch.zeros(4, 8, dtype=torch.int16)}
-    _raises(KeyError, r"remainders \['v'\] have no param", mpfunc.masters_from_remainders,
-            p, {"v": r["w"]})  # fmt: skip
-    _raises(TypeError, r"'w': expected a torch\.bfloat16 param, got torch\.float32",
-            mpfunc.masters_from_remainders, {"w": p["w"].float()}, r)  # fmt: skip
-    _raises(ValueError, r"'w': expected a torch\.int16 remainder of shape \(4, 8\)",
-            mpfunc.masters_from_remainders, p, {"w": r["w"].t()})  # fmt: skip
-    _raises(ValueError, r"'w': expected a torch\.int16 remainder",
-            mpfunc.masters_from_remainders, p, {"w": r["w"].int()})  # fmt: skip
+    _raises(
+        KeyError,
+        r"remainders \['v'\] have no param",
+        mpfunc.masters_from_remainders,
+        p,
+        {"v": r["w"]},
+    )
+    _raises(
+        TypeError,
+        r"'w': expected a torch\.bfloat16 param, got torch\.float32",
+        mpfunc.masters_from_remainders,
+        {"w": p["w"].float()},
+        r,
+    )
+    _raises(
+        ValueError,
+        r"'w': expected a torch\.int16 remainder of shape \(4, 8\)",
+        mpfunc.masters_from_remainders,
+        p,
+        {"w": r["w"].t()},
+    )
+    _raises(
+        ValueError,
+        r"'w': expected a torch\.int16 remainder",
+        mpfunc.masters_from_remainders,
+        p,
+        {"w": r["w"].int()},
+    )
 
 
 @pytest.mark.xla
@@ -679,8 +764,9 @@ def test_lossless_bf16_checkpoint_from_xla(xla_device: torch.device) -> None:
     """The sidecar and the exported masters of XLA masters equal the CPU's, bit for bit."""
     gen = torch.Generator().manual_seed(4)
     base = {"w": torch.randn(4, 32, generator=gen), "b": torch.randn(32, generator=gen)}
-    grads = [{k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in base.items()}
-             for _ in range(3)]  # fmt: skip
+    grads = [
+        {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in base.items()} for _ in range(3)
+    ]
     out = {}
     for device in (torch.device("cpu"), xla_device):
         params = {k: v.to(BF16).to(device) for k, v in base.items()}

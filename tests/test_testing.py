@@ -30,8 +30,12 @@ def test_in_layout_keeps_values_in_the_promised_layout(layout: str, shape: tuple
             assert y.stride()[0] == 0 and torch.equal(y, x[:1].expand(shape))
         return
     assert torch.equal(y, x)
-    fits = {"transposed": len(shape) >= 2, "channels_last": len(shape) == 4,
-            "sliced": len(shape) >= 1, "offset": len(shape) >= 1}  # fmt: skip
+    fits = {
+        "transposed": len(shape) >= 2,
+        "channels_last": len(shape) == 4,
+        "sliced": len(shape) >= 1,
+        "offset": len(shape) >= 1,
+    }
     if fits.get(layout):
         assert not y.is_contiguous() or layout == "offset"
     if layout == "offset" and len(shape) >= 1:
@@ -108,8 +112,7 @@ def test_xla_report_sees_compiles_transfers_and_stability(xla_device: torch.devi
     assert [s.graphs for s in stable.steps] == [1, 1, 1]
     reads = mt.xla_step_report(lambda i: x.add_(1).sum().item(), steps=2)
     assert all(s.transfers_to_host >= 1 for s in reads.steps)
-    shapes = mt.xla_step_report(lambda i: x.add_(torch.ones(4 + i, device=xla_device)[:4]),
-                                steps=2)  # fmt: skip
+    shapes = mt.xla_step_report(lambda i: x.add_(torch.ones(4 + i, device=xla_device)[:4]), steps=2)
     assert all(s.compiles >= 1 for s in shapes.steps)
     with pytest.raises(AssertionError, match=r"step 2 compiled .*step 2 read"):
         mt.xla_step_report(

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in 
 def _model(seed: int) -> Any:
     # A bf16 layer and a norm weight kept in fp32: the fp32 leaf is the one whose master
     # once shared the param's XLA buffer.
-    return {"fc": {"b": _rand(B, BF16, seed), "w": _rand(W, BF16, seed + 1)},
-            "norm": {"w": _rand(B, F32, seed + 2)}}  # fmt: skip
+    return {
+        "fc": {"b": _rand(B, BF16, seed), "w": _rand(W, BF16, seed + 1)},
+        "norm": {"w": _rand(B, F32, seed + 2)},
+    }
 
 
 def _read(tree: Any) -> list[torch.Tensor]:

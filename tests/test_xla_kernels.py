@@ -25,10 +25,81 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpfunc
+from mpfunc.core._optimizer import Group
+from mpfunc.optim import _adam, _lion, _sgd
 
 pytestmark = pytest.mark.xla
 
 K = pytest.importorskip("mpfunc.backends._xla_kernels")
+
+# Each optimizer's "xla" kernel on the lists of one group, as ``_plan`` hands them over.
+
+
+def adam_xla_(
+    params: list[Any],
+    grads: list[Any],
+    exp_avg: list[Any],
+    exp_avg_sq: list[Any],
+    max_exp_avg_sq: list[Any] | None,
+    steps: list[Any],
+    *,
+    lr: Any,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+    found_inf: Any = None,
+    grad_scale: Any = None,
+    model_params: list[Any] | None = None,
+) -> None:
+    h = _adam.AdamHyper(beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize)
+    state = _adam.AdamState(steps, exp_avg, exp_avg_sq, max_exp_avg_sq)
+    _adam._xla(Group(params, grads, state, lr, found_inf, model_params, grad_scale), h)
+
+
+def sgd_xla_(
+    params: list[Any],
+    grads: list[Any],
+    momentum_buffer: list[Any] | None,
+    steps: list[Any],
+    *,
+    lr: Any,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    found_inf: Any = None,
+    grad_scale: Any = None,
+    model_params: list[Any] | None = None,
+) -> None:
+    h = _sgd.SGDHyper(momentum, dampening, weight_decay, nesterov, maximize)
+    state = _sgd.SGDState(steps, momentum_buffer)
+    _sgd._xla(Group(params, grads, state, lr, found_inf, model_params, grad_scale), h)
+
+
+def lion_xla_(
+    params: list[Any],
+    grads: list[Any],
+    exp_avg: list[Any],
+    steps: list[Any],
+    *,
+    lr: Any,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool,
+    found_inf: Any = None,
+    grad_scale: Any = None,
+    model_params: list[Any] | None = None,
+) -> None:
+    h = _lion.LionHyper(beta1, beta2, weight_decay, maximize)
+    state = _lion.LionState(steps, exp_avg)
+    _lion._xla(Group(params, grads, state, lr, found_inf, model_params, grad_scale), h)
+
 
 LAYOUTS: list[tuple[tuple[int, ...], ...]] = [
     ((4, 5),),
@@ -81,21 +152,32 @@ def _grads(layout: tuple[tuple[int, ...], ...], seed: int, scale: float) -> list
 def _make(kind: str, cfg: dict[str, Any], lr: Any, impl: str = "foreach") -> mpfunc.Optimizer:
     if kind == "lion":
         return mpfunc.lion(
-            lr=lr, betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"],
-            maximize=cfg["maximize"], impl=impl,  # type: ignore[arg-type]
-        )  # fmt: skip
+            lr=lr,
+            betas=(cfg["beta1"], cfg["beta2"]),
+            weight_decay=cfg["weight_decay"],
+            maximize=cfg["maximize"],
+            impl=impl,  # type: ignore[arg-type]
+        )
     if kind == "sgd":
         return mpfunc.sgd(
-            lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], impl=impl,  # type: ignore[arg-type]
-        )  # fmt: skip
+            lr=lr,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"],
+            maximize=cfg["maximize"],
+            impl=impl,  # type: ignore[arg-type]
+        )
     make = mpfunc.adamw if cfg["decoupled"] else mpfunc.adam
     return make(
-        lr=lr, betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
-        weight_decay=cfg["weight_decay"], amsgrad=cfg["amsgrad"], maximize=cfg["maximize"],
+        lr=lr,
+        betas=(cfg["beta1"], cfg["beta2"]),
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+        amsgrad=cfg["amsgrad"],
+        maximize=cfg["maximize"],
         impl=impl,  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
 
 
 def _kernel_step(
@@ -111,27 +193,57 @@ def _kernel_step(
 ) -> None:
     P = list(masters.values())
     if kind == "lion":
-        K.lion_xla_(
-            P, grads, _leaves(state.exp_avg), _leaves(state.step), lr=lr, beta1=cfg["beta1"],
-            beta2=cfg["beta2"], weight_decay=cfg["weight_decay"], maximize=cfg["maximize"],
-            found_inf=skip, model_params=low, grad_scale=grad_scale,
-        )  # fmt: skip
+        lion_xla_(
+            P,
+            grads,
+            _leaves(state.exp_avg),
+            _leaves(state.step),
+            lr=lr,
+            beta1=cfg["beta1"],
+            beta2=cfg["beta2"],
+            weight_decay=cfg["weight_decay"],
+            maximize=cfg["maximize"],
+            found_inf=skip,
+            model_params=low,
+            grad_scale=grad_scale,
+        )
         return
     if kind == "sgd":
-        K.sgd_xla_(
-            P, grads, _leaves(state.momentum_buffer) if cfg["momentum"] else None,
-            _leaves(state.step), lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], found_inf=skip, model_params=low, grad_scale=grad_scale,
-        )  # fmt: skip
+        sgd_xla_(
+            P,
+            grads,
+            _leaves(state.momentum_buffer) if cfg["momentum"] else None,
+            _leaves(state.step),
+            lr=lr,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"],
+            maximize=cfg["maximize"],
+            found_inf=skip,
+            model_params=low,
+            grad_scale=grad_scale,
+        )
         return
-    K.adam_xla_(
-        P, grads, _leaves(state.exp_avg), _leaves(state.exp_avg_sq),
-        _leaves(state.max_exp_avg_sq) if cfg["amsgrad"] else None, _leaves(state.step),
-        lr=lr, beta1=cfg["beta1"], beta2=cfg["beta2"], eps=cfg["eps"],
-        weight_decay=cfg["weight_decay"], decoupled=cfg["decoupled"], amsgrad=cfg["amsgrad"],
-        maximize=cfg["maximize"], found_inf=skip, model_params=low, grad_scale=grad_scale,
-    )  # fmt: skip
+    adam_xla_(
+        P,
+        grads,
+        _leaves(state.exp_avg),
+        _leaves(state.exp_avg_sq),
+        _leaves(state.max_exp_avg_sq) if cfg["amsgrad"] else None,
+        _leaves(state.step),
+        lr=lr,
+        beta1=cfg["beta1"],
+        beta2=cfg["beta2"],
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+        decoupled=cfg["decoupled"],
+        amsgrad=cfg["amsgrad"],
+        maximize=cfg["maximize"],
+        found_inf=skip,
+        model_params=low,
+        grad_scale=grad_scale,
+    )
 
 
 adam_cfgs = st.fixed_dictionaries(
@@ -257,16 +369,26 @@ def test_lion_matches_foreach(
 def _torch_opt(kind: str, cfg: dict[str, Any], params: list[torch.Tensor], lr: float) -> Any:
     if kind == "sgd":
         return torch.optim.SGD(
-            params, lr=lr, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"],
-            maximize=cfg["maximize"], foreach=False,
-        )  # fmt: skip
+            params,
+            lr=lr,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"],
+            maximize=cfg["maximize"],
+            foreach=False,
+        )
     make = torch.optim.AdamW if cfg["decoupled"] else torch.optim.Adam
     return make(
-        params, lr=lr, betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
-        weight_decay=cfg["weight_decay"], amsgrad=cfg["amsgrad"], maximize=cfg["maximize"],
+        params,
+        lr=lr,
+        betas=(cfg["beta1"], cfg["beta2"]),
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+        amsgrad=cfg["amsgrad"],
+        maximize=cfg["maximize"],
         foreach=False,
-    )  # fmt: skip
+    )
 
 
 def _torch_state(kind: str, cfg: dict[str, Any], opt: Any, params: list[torch.Tensor]) -> list[Any]:
@@ -501,7 +623,8 @@ def test_the_whole_group_is_one_node(xla_device: torch.device) -> None:
 _ALIAS_SCRIPT = """
 import random
 import torch, torch_xla
-from mpfunc.backends import _xla_kernels as K
+from mpfunc.core._optimizer import Group
+from mpfunc.optim import _adam
 
 dev = torch_xla.device()
 n, shape = 4, (64, 64)
@@ -516,11 +639,10 @@ low = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(n)]
 grads = [torch.randn(shape).bfloat16().to(dev) for _ in range(n)]
 torch_xla.sync()
 for _ in range(2):
-    K.adam_xla_(
-        field("p"), grads, field("m"), field("v"), field("vm"), field("s"), lr=1e-3,
-        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=True,
-        maximize=False, found_inf=torch.tensor(False, device=dev), model_params=low,
-    )
+    state = _adam.AdamState(field("s"), field("m"), field("v"), field("vm"))
+    skip = torch.tensor(False, device=dev)
+    group = Group(field("p"), grads, state, 1e-3, skip, model=low)
+    _adam._xla(group, _adam.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, True, False))
     torch_xla.sync()
 """
 
@@ -568,14 +690,34 @@ def test_computations_are_cached(xla_device: torch.device) -> None:
 
 
 def test_empty_group_is_a_no_op() -> None:
-    K.adam_xla_(
-        [], [], [], [], None, [], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
-        weight_decay=0.0, decoupled=True, amsgrad=False, maximize=False,
-    )  # fmt: skip
-    K.sgd_xla_(
-        [], [], None, [], lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
-        nesterov=False, maximize=False,
-    )  # fmt: skip
+    adam_xla_(
+        [],
+        [],
+        [],
+        [],
+        None,
+        [],
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=True,
+        amsgrad=False,
+        maximize=False,
+    )
+    sgd_xla_(
+        [],
+        [],
+        None,
+        [],
+        lr=0.1,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        maximize=False,
+    )
 
 
 # --- bad inputs: the error, and nothing written ---------------------------------------------
@@ -592,12 +734,21 @@ def _adam_args(dev: torch.device, **change: Any) -> tuple[list[Any], dict[str, A
         "steps": [torch.zeros((), device=dev) for _ in P],
     }
     kwargs: dict[str, Any] = {
-        "lr": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
-        "decoupled": True, "amsgrad": True, "maximize": False, "found_inf": None,
+        "lr": 0.1,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "decoupled": True,
+        "amsgrad": True,
+        "maximize": False,
+        "found_inf": None,
         "grad_scale": None,
-        "model_params": [torch.zeros(4, 5, device=dev, dtype=torch.bfloat16),
-                         torch.zeros(3, device=dev, dtype=torch.bfloat16)],
-    }  # fmt: skip
+        "model_params": [
+            torch.zeros(4, 5, device=dev, dtype=torch.bfloat16),
+            torch.zeros(3, device=dev, dtype=torch.bfloat16),
+        ],
+    }
     for name, value in change.items():
         target = args if name in args else kwargs
         target[name] = value(dev, target[name]) if callable(value) else value
@@ -718,7 +869,7 @@ def test_bad_input_raises_and_writes_nothing(
     before = _host(tensors)
     versions = [t._version for t in tensors]
     with pytest.raises(exc, match=regex):
-        K.adam_xla_(*args, **kwargs)
+        adam_xla_(*args, **kwargs)
     assert [t._version for t in tensors] == versions
     for x, y in zip(before, _host(tensors)):
         assert torch.equal(_bits(x), _bits(y))
@@ -727,11 +878,18 @@ def test_bad_input_raises_and_writes_nothing(
 def test_sgd_needs_buffers_with_momentum(xla_device: torch.device) -> None:
     p = [torch.zeros(3, device=xla_device)]
     with pytest.raises(ValueError, match=r"momentum_buffer: expected a list of tensors"):
-        K.sgd_xla_(
-            p, [torch.ones(3, device=xla_device)], None, [torch.zeros((), device=xla_device)],
-            lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+        sgd_xla_(
+            p,
+            [torch.ones(3, device=xla_device)],
+            None,
+            [torch.zeros((), device=xla_device)],
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.0,
+            weight_decay=0.0,
+            nesterov=False,
             maximize=False,
-        )  # fmt: skip
+        )
 
 
 # --- wired in: the "xla" kernel of adam/adamw, sgd and lion ------------------------------------

@@ -103,8 +103,9 @@ def unwarned(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "pure"])
-def test_a_loop_without_sync_warns_once(xla_device: torch.device, inplace: bool,
-                                        unwarned: None) -> None:  # fmt: skip
+def test_a_loop_without_sync_warns_once(
+    xla_device: torch.device, inplace: bool, unwarned: None
+) -> None:
     """No torch_xla.sync() in the loop: every step adds to one pending graph (30 such
     steps took 123 s). Step PENDING_STEPS + 1 warns, once, naming the fix. Nothing is
     synced here, so nothing compiles; the pending graph is dropped with its tensors."""

@@ -80,9 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         lr.fill_(5e-5)  # a new lr value: no recompile
         fast = _time(compiled, steps)
         rows.append((name, first, eager, fast))
-    print(f"{len(params)} tensors, {n / 1e6:.2f}M params, bf16, batch {batch}, "
-          f"strategy {args.strategy!r}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"{len(params)} tensors, {n / 1e6:.2f}M params, bf16, batch {batch}, "
+        f"strategy {args.strategy!r}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     print("| step | first compiled call (s) | eager ms | compiled ms | compiled / eager |")
     print("|---|---|---|---|---|")
     for name, first, eager, fast in rows:

@@ -192,8 +192,10 @@ def markdown(result: dict[str, Any]) -> str:
             absent.append(f"`{e['row']}`: {'; '.join(e['unsupported'])}")
             continue
         if not e["seeds"]:
-            out.append(f"| {e['row']} | {strategy} | {state} | fails: {'; '.join(e['errors'])}"
-                       " | | | | | | | |")  # fmt: skip
+            out.append(
+                f"| {e['row']} | {strategy} | {state} | fails: {'; '.join(e['errors'])}"
+                " | | | | | | | |"
+            )
             continue
         gap = (
             "-"
@@ -281,8 +283,11 @@ _STYLES = {"float32": "-", "bfloat16": "--", "uint8": ":"}
 def _style(row: dict[str, Any]) -> dict[str, Any]:
     if row["kind"] == "torch":
         return {"color": "k" if row["name"] == REFERENCE else "C3", "lw": 2.4, "ls": "-"}
-    return {"color": _COLOURS.get(row["strategy"], "C7"), "lw": 1.2,
-            "ls": _STYLES.get(row["state_dtype"], "-.")}  # fmt: skip
+    return {
+        "color": _COLOURS.get(row["strategy"], "C7"),
+        "lw": 1.2,
+        "ls": _STYLES.get(row["state_dtype"], "-."),
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -307,22 +312,32 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if e.get("gap_mean") is not None and row["name"] != REFERENCE:
             mid = 100 * e["gap_mean"]
             err = [[mid - 100 * e["gap_min"]], [100 * e["gap_max"] - mid]]
-            ax_g.errorbar(e["bytes_per_param"], mid, yerr=err, fmt="o", color=st["color"],
-                          ms=5, capsize=3)  # fmt: skip
+            ax_g.errorbar(
+                e["bytes_per_param"], mid, yerr=err, fmt="o", color=st["color"], ms=5, capsize=3
+            )
             # Rows that land on one spot share one label, a name per line.
             spot = (round(e["bytes_per_param"], 1), round(mid, 1))
             labels.setdefault(spot, []).append(row["name"])
     for (x, y), names in labels.items():
-        ax_g.annotate("\n".join(names), (x, y), fontsize=7, xytext=(4, 2),
-                      textcoords="offset points")  # fmt: skip
+        ax_g.annotate(
+            "\n".join(names), (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points"
+        )
     ax_g.axhline(0, color="k", lw=0.8)
-    ax_v.set(xlabel="fine-tuning step", ylabel="validation loss (mean over seeds)",
-             title="held-out validation loss while fine-tuning")  # fmt: skip
-    ax_g.set(xlabel="persistent bytes per parameter",
-             ylabel="final val loss gap to fp32, % (mean, min-max over seeds)",
-             title="quality against memory")  # fmt: skip
-    ax_s.set(xlabel="fine-tuning step", ylabel="% of parameter elements",
-             title="stale updates: non-zero, bf16 param unchanged")  # fmt: skip
+    ax_v.set(
+        xlabel="fine-tuning step",
+        ylabel="validation loss (mean over seeds)",
+        title="held-out validation loss while fine-tuning",
+    )
+    ax_g.set(
+        xlabel="persistent bytes per parameter",
+        ylabel="final val loss gap to fp32, % (mean, min-max over seeds)",
+        title="quality against memory",
+    )
+    ax_s.set(
+        xlabel="fine-tuning step",
+        ylabel="% of parameter elements",
+        title="stale updates: non-zero, bf16 param unchanged",
+    )
     for ax in (ax_v, ax_g, ax_s):
         ax.grid(True, alpha=0.3)
     ax_v.legend(fontsize=7, ncol=2)

@@ -209,9 +209,13 @@ class TorchTrainer(Trainer):
 
     def setup(self, cfg: dict[str, Any], seed: int) -> None:
         self.opt = torch.optim.AdamW(
-            self.params.values(), lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+            self.params.values(),
+            lr=cfg["lr"],
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WEIGHT_DECAY,
             fused=True if self.row.optimizer == "fused" else None,
-        )  # fmt: skip
+        )
 
     def held(self) -> list[Any]:
         return [self.params, list(self.opt.state.values())]
@@ -265,9 +269,12 @@ class OptimTrainer(TorchTrainer):
         state_dtype = getattr(torch, self.row.state_dtype or "float32")
         try:
             self.opt = mpfunc.MasterOptimizer(
-                ps, strategy=self.row.strategy or "fp32", step_in_backward=True,
-                state_dtype=state_dtype, **hyper,
-            )  # fmt: skip
+                ps,
+                strategy=self.row.strategy or "fp32",
+                step_in_backward=True,
+                state_dtype=state_dtype,
+                **hyper,
+            )
         except TypeError as e:
             if "step_in_backward" not in str(e):
                 raise
@@ -353,9 +360,12 @@ class MpfuncTrainer(Trainer):
         # A 0-d tensor lr is read at every step, so the schedule needs no new optimizer.
         self.lr = torch.tensor(cfg["lr"], dtype=torch.float32)
         self.opt = mpfunc.adamw(
-            lr=self.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+            lr=self.lr,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WEIGHT_DECAY,
             state_dtype=getattr(torch, row.state_dtype or "float32"),
-        )  # fmt: skip
+        )
         self.state = self.opt.init(self.masters)
         self.stats = mpfunc.init_stats(self.masters)
         self.g32 = (
@@ -418,8 +428,11 @@ class MpfuncTrainer(Trainer):
 
 
 def _trainer(row: Row, cfg: dict[str, Any], start: dict[str, torch.Tensor], seed: int) -> Trainer:
-    kinds: dict[str, type[Trainer]] = {"torch": TorchTrainer, "peer": OptimTrainer,
-                                       "backward": OptimTrainer}  # fmt: skip
+    kinds: dict[str, type[Trainer]] = {
+        "torch": TorchTrainer,
+        "peer": OptimTrainer,
+        "backward": OptimTrainer,
+    }
     return kinds.get(row.kind, MpfuncTrainer)(row, cfg, start, seed)
 
 

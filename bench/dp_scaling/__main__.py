@@ -80,9 +80,13 @@ def _call_all(ranks: list[WorkerProcess], msg: dict[str, Any]) -> list[dict[str,
 
 
 def run_world(
-    world: int, modes: list[str], cfg: ModelConfig, args: argparse.Namespace, logs: Path,
+    world: int,
+    modes: list[str],
+    cfg: ModelConfig,
+    args: argparse.Namespace,
+    logs: Path,
     say: Progress,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Set up, warm up and measure every mode with ``world`` ranks; return the results."""
     threads = args.threads or max(1, args.cores // world)
     results: dict[str, dict[str, Any]] = {m: {"samples": []} for m in modes}

@@ -32,8 +32,10 @@ from bench.common.report import fmt, header, write_json
 
 STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
 FORMATS: dict[str, torch.dtype | None] = {
-    "fp32": None, "bf16": torch.bfloat16, "uint8": torch.uint8,
-}  # fmt: skip
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "uint8": torch.uint8,
+}
 LATER = 3  # later steps timed; the best is reported
 
 
@@ -58,8 +60,13 @@ def _pair(
 
     _, t_first = _timed(step)
     later = [_timed(step)[1] for _ in range(LATER)]
-    return {"init_master_s": t_master, "opt_init_s": t_init, "first_step_s": t_first,
-            "later_step_s": min(later), "later_steps_s": later}  # fmt: skip
+    return {
+        "init_master_s": t_master,
+        "opt_init_s": t_init,
+        "first_step_s": t_first,
+        "later_step_s": min(later),
+        "later_steps_s": later,
+    }
 
 
 def _torch(leaves: int, numel: int) -> dict[str, Any]:
@@ -85,16 +92,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for strategy in args.strategies:
         for name in args.formats:
-            row = {"strategy": strategy, "state": name,
-                   **_pair(strategy, FORMATS[name], args.leaves, args.numel)}  # fmt: skip
+            row = {
+                "strategy": strategy,
+                "state": name,
+                **_pair(strategy, FORMATS[name], args.leaves, args.numel),
+            }
             rows.append(row)
             print(_line(row), flush=True)
     ref = _torch(args.leaves, args.numel)
     return {
         "meta": run_meta.finish(threads=args.threads),
-        "leaves": args.leaves, "numel_per_leaf": args.numel, "threads": args.threads,
-        "load_avg": {"start": load0, "end": load_avg()}, "rows": rows, "torch_fused_fp32": ref,
-    }  # fmt: skip
+        "leaves": args.leaves,
+        "numel_per_leaf": args.numel,
+        "threads": args.threads,
+        "load_avg": {"start": load0, "end": load_avg()},
+        "rows": rows,
+        "torch_fused_fp32": ref,
+    }
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -109,24 +123,29 @@ def render(result: dict[str, Any]) -> str:
     load = result["load_avg"]
     busy = max((x for x in load.values() if x is not None), default=None)
     ref = result["torch_fused_fp32"]
-    return "\n".join([
-        "# Many small leaves: setup and step, in seconds",
-        "",
-        *header(result["meta"]),
-        "",
-        f"{result['leaves']:,} leaves of {result['numel_per_leaf']} elements, "
-        f"{result['threads']} thread{'s' if result['threads'] != 1 else ''}. Load average "
-        f"{fmt(load['start'], '{:.2f}')} -> {fmt(load['end'], '{:.2f}')}"
-        + (f" (WARNING: above the {cores} cores; timings are inflated)"
-           if busy and busy > cores else ""),
-        "",
-        "| strategy | state | init_master | opt.init | first step | later step (best) |",
-        "|---|---|--:|--:|--:|--:|",
-        *(_line(r) for r in result["rows"]),
-        f"| torch AdamW(fused=True), fp32 | fp32 | | | {ref['first_step_s']:.2f} "
-        f"(with construction) | {ref['later_step_s']:.2f} |",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# Many small leaves: setup and step, in seconds",
+            "",
+            *header(result["meta"]),
+            "",
+            f"{result['leaves']:,} leaves of {result['numel_per_leaf']} elements, "
+            f"{result['threads']} thread{'s' if result['threads'] != 1 else ''}. Load average "
+            f"{fmt(load['start'], '{:.2f}')} -> {fmt(load['end'], '{:.2f}')}"
+            + (
+                f" (WARNING: above the {cores} cores; timings are inflated)"
+                if busy and busy > cores
+                else ""
+            ),
+            "",
+            "| strategy | state | init_master | opt.init | first step | later step (best) |",
+            "|---|---|--:|--:|--:|--:|",
+            *(_line(r) for r in result["rows"]),
+            f"| torch AdamW(fused=True), fp32 | fp32 | | | {ref['first_step_s']:.2f} "
+            f"(with construction) | {ref['later_step_s']:.2f} |",
+            "",
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -145,9 +145,12 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
         ("bitsandbytes AdamW8bit (CPU backend)", 2 + 2.0, bnb_8bit),
         ("torchao AdamW8bit (compiled)", 2 + 2.0, torchao("AdamW8bit")),
         ("torchao AdamW4bit (compiled)", 2 + 1.0, torchao("AdamW4bit")),
-        ("torchao _AdamW bf16_stochastic_round (compiled)", 2 + 4,
-         torchao("_AdamW", bf16_stochastic_round=True)),
-    ]  # fmt: skip
+        (
+            "torchao _AdamW bf16_stochastic_round (compiled)",
+            2 + 4,
+            torchao("_AdamW", bf16_stochastic_round=True),
+        ),
+    ]
 
 
 def _contenders(
@@ -206,12 +209,17 @@ def _rows(
     rows = []
     for name, ts in times.items():
         ratios = [t / b for t, b in zip(ts, base)]
-        rows.append({
-            "name": name, "bytes_per_param": contenders[name][0],
-            "median_ms": statistics.median(ts) * 1e3, "ratio": statistics.median(ratios),
-            "ratio_q25": _quantile(ratios, 0.25), "ratio_q75": _quantile(ratios, 0.75),
-            "times_s": ts,
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "bytes_per_param": contenders[name][0],
+                "median_ms": statistics.median(ts) * 1e3,
+                "ratio": statistics.median(ratios),
+                "ratio_q25": _quantile(ratios, 0.25),
+                "ratio_q75": _quantile(ratios, 0.75),
+                "times_s": ts,
+            }
+        )
     return rows
 
 
@@ -228,13 +236,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peers = peers and not args.no_peers and args.optimizer == "adamw"
             contenders, failed = _contenders(shapes, peers, args.optimizer)
             times = _measure(contenders, args.rounds)
-            parts.append({
-                "optimizer": args.optimizer, "base": BASE[args.optimizer],
-                "threads": threads, "config": label, "tensors": len(shapes),
-                "numel": sum(math.prod(s) for s in shapes),
-                "load_avg": {"start": load0, "end": load_avg()},
-                "rows": _rows(times, contenders, BASE[args.optimizer]), "failed": failed,
-            })  # fmt: skip
+            parts.append(
+                {
+                    "optimizer": args.optimizer,
+                    "base": BASE[args.optimizer],
+                    "threads": threads,
+                    "config": label,
+                    "tensors": len(shapes),
+                    "numel": sum(math.prod(s) for s in shapes),
+                    "load_avg": {"start": load0, "end": load_avg()},
+                    "rows": _rows(times, contenders, BASE[args.optimizer]),
+                    "failed": failed,
+                }
+            )
             print(render_part(parts[-1]), flush=True)
     return {"meta": run_meta.finish(threads=None), "parts": parts}
 

@@ -79,9 +79,15 @@ def checkpoints(n: int) -> list[int]:
 
 
 def run_phase(
-    name: str, model: Any, steps: int, lr: float, cfg: dict[str, Any], corpus: Any,
-    starts: Any, log: Any,
-) -> dict[str, Any]:  # fmt: skip
+    name: str,
+    model: Any,
+    steps: int,
+    lr: float,
+    cfg: dict[str, Any],
+    corpus: Any,
+    starts: Any,
+    log: Any,
+) -> dict[str, Any]:
     """One fp32 AdamW phase with every candidate on the side; errors at checkpoints."""
     import torch
 
@@ -198,8 +204,11 @@ def _bytes(result: dict[str, Any], combo: str) -> float:
 
 def _final(result: dict[str, Any], phase: str) -> dict[str, Any]:
     ph = result["phases"][phase]
-    return dict(ph["checkpoints"][str(ph["steps"])] if str(ph["steps"]) in ph["checkpoints"]
-                else ph["checkpoints"][ph["steps"]])  # fmt: skip
+    return dict(
+        ph["checkpoints"][str(ph["steps"])]
+        if str(ph["steps"]) in ph["checkpoints"]
+        else ph["checkpoints"][ph["steps"]]
+    )
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -208,12 +217,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     pre, fine = _final(result, "pretrain"), _final(result, "finetune")
     rows = [
         {
-            "combo": c, "bytes": _bytes(result, c),
-            "pretrain": pre["dir"][c], "finetune": fine["dir"][c],
+            "combo": c,
+            "bytes": _bytes(result, c),
+            "pretrain": pre["dir"][c],
+            "finetune": fine["dir"][c],
             "worst": max(pre["dir"][c], fine["dir"][c]),
         }
         for c in fine["dir"]
-    ]  # fmt: skip
+    ]
     rows.sort(key=lambda r: r["worst"])
     within = [r for r in rows if r["bytes"] <= MOMENT_BUDGET]
     return {"ranked": rows, "pick": within[0] if within else None}
@@ -355,9 +366,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.manual_seed(cfg["seed"])
         model = new_model(cfg)
         phases["pretrain"] = run_phase(
-            "pretrain", model, cfg["pretrain_steps"], cfg["pretrain_lr"], cfg, corpus,
-            pre_starts, log,
-        )  # fmt: skip
+            "pretrain",
+            model,
+            cfg["pretrain_steps"],
+            cfg["pretrain_lr"],
+            cfg,
+            corpus,
+            pre_starts,
+            log,
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(torch.bfloat16))

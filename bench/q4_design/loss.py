@@ -25,13 +25,15 @@ from bench.common.report import header, write_json
 # (name, (m map, m block, v map, v block (0: rank-1), v stochastic)); None: fp32 moments.
 CANDIDATES: list[tuple[str, Any]] = [
     ("fp32 moments", None),
-    ("softsign/32 | sqrt-softsign/32/stochastic (the module)",
-     ("softsign", 32, "sqrt-softsign", 32, True)),
+    (
+        "softsign/32 | sqrt-softsign/32/stochastic (the module)",
+        ("softsign", 32, "sqrt-softsign", 32, True),
+    ),
     ("softsign/32 | sqrt-softsign/32/nearest", ("softsign", 32, "sqrt-softsign", 32, False)),
     ("normal/32 | sqrt-softsign/32/stochastic", ("normal", 32, "sqrt-softsign", 32, True)),
     ("normal/32 | rank1-linear0x/stochastic", ("normal", 32, "rank1-linear0x", 0, True)),
     ("softsign/128 | sqrt-softsign/128/stochastic", ("softsign", 128, "sqrt-softsign", 128, True)),
-]  # fmt: skip
+]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -156,9 +158,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ref = val if ref is None else ref
                 log(f"[seed {seed}] {name}: val {val:.4f}")
                 rows.append({"name": name, "seed": seed, "val_loss": val, "gap": val / ref - 1})
-    result = {"meta": run.finish(threads=threads), "config": cfg, "seeds": seeds,
-              "phase": args.phase, "starts": starts_info, "steps": steps, "peak_lr": peak,
-              "rows": rows}  # fmt: skip
+    result = {
+        "meta": run.finish(threads=threads),
+        "config": cfg,
+        "seeds": seeds,
+        "phase": args.phase,
+        "starts": starts_info,
+        "steps": steps,
+        "peak_lr": peak,
+        "rows": rows,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / f"q4_loss_{args.phase}.json", result)
     (args.out / f"q4_loss_{args.phase}.md").write_text(markdown(result))

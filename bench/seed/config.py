@@ -40,9 +40,17 @@ BACKWARD_MODES = {"mpfunc-step-in-backward": ("fp32", None)}
 PEER = "peer-"
 PEER_MODES = tuple(PEER + name for name in PEERS)
 BASE_MODES = (
-    "fp32", "bf16", "flat", "pertensor", "mpfunc", *STRATEGY_MODES, *BACKWARD_MODES,
-    "autocast", "syncfree", *PEER_MODES,
-)  # fmt: skip
+    "fp32",
+    "bf16",
+    "flat",
+    "pertensor",
+    "mpfunc",
+    *STRATEGY_MODES,
+    *BACKWARD_MODES,
+    "autocast",
+    "syncfree",
+    *PEER_MODES,
+)
 # Recipes that run torch.optim.AdamW, and so get a fused twin on the devices that have one.
 TORCH_OPTIM_MODES = ("fp32", "bf16", "flat", "pertensor", "autocast")
 FUSED = "-fused"

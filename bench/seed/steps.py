@@ -137,8 +137,9 @@ def make_step(
         if kind == "peer":
             name = mode.removeprefix(PEER)
             try:
-                opt = peers.make(name, params, lr=LR, betas=BETAS, eps=EPS,
-                                 weight_decay=WEIGHT_DECAY)  # fmt: skip
+                opt = peers.make(
+                    name, params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+                )
             except ImportError as e:
                 raise Unsupported(f"{peers.PEERS[name].label}: {e}") from e
             torch_name = peers.PEERS[name].label
@@ -339,9 +340,15 @@ def _backward_step(
     params = list(model.parameters())
     try:
         opt = mpfunc.MasterOptimizer(
-            params, strategy=strategy, step_in_backward=True, lr=LR, betas=BETAS, eps=EPS,
-            weight_decay=WEIGHT_DECAY, state_dtype=state_dtype,
-        )  # fmt: skip
+            params,
+            strategy=strategy,
+            step_in_backward=True,
+            lr=LR,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WEIGHT_DECAY,
+            state_dtype=state_dtype,
+        )
     except TypeError as e:
         if "step_in_backward" not in str(e):
             raise

@@ -78,9 +78,12 @@ def run_devices(
         with open(logs / f"devices-{n}.log", "w") as log:
             proc = subprocess.run(
                 [sys.executable, "-m", "bench.spmd.worker", json.dumps(setup), str(out)],
-                cwd=meta_mod.REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                cwd=meta_mod.REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 timeout=args.timeout,
-            )  # fmt: skip
+            )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout:g} s (see {logs}/devices-{n}.log)"}
     finally:

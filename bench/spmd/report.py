@@ -54,8 +54,10 @@ def _graph(coll: dict[str, dict[str, int]] | None) -> str:
         return "an earlier mode's program"
     if not coll:
         return "none"
-    parts = [f"{c['count']} {SHORT.get(k, k)} ({c['bytes'] / KIB:.1f} KiB)"
-             for k, c in sorted(coll.items())]  # fmt: skip
+    parts = [
+        f"{c['count']} {SHORT.get(k, k)} ({c['bytes'] / KIB:.1f} KiB)"
+        for k, c in sorted(coll.items())
+    ]
     return " + ".join(parts)
 
 
@@ -143,12 +145,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
         color = COLORS.get(mode, "gray")
         rows = [(int(n), result["devices"][n]["summary"][mode]) for n in ns]
         xs = [n for n, _ in rows]
-        a_time.plot(xs, [s["median_s"] * 1e3 for _, s in rows], marker="o", color=color,
-                    label=mode)  # fmt: skip
-        a_mem.plot(xs, [s["state_bytes_per_device"] / KIB for _, s in rows], marker="o",
-                   color=color, label=f"{mode}: masters+state")  # fmt: skip
-        a_mem.plot(xs, [s["param_bytes_per_device"] / KIB for _, s in rows], marker="s", ls="--",
-                   color=color, label=f"{mode}: params")  # fmt: skip
+        a_time.plot(xs, [s["median_s"] * 1e3 for _, s in rows], marker="o", color=color, label=mode)
+        a_mem.plot(
+            xs,
+            [s["state_bytes_per_device"] / KIB for _, s in rows],
+            marker="o",
+            color=color,
+            label=f"{mode}: masters+state",
+        )
+        a_mem.plot(
+            xs,
+            [s["param_bytes_per_device"] / KIB for _, s in rows],
+            marker="s",
+            ls="--",
+            color=color,
+            label=f"{mode}: params",
+        )
     a_time.set_ylabel("step time, ms (median)")
     a_mem.set_ylabel("KiB per device (max over devices)")
     a_mem.set_yscale("log")

@@ -170,8 +170,9 @@ def main(argv: list[str]) -> int:
         r["param_full_bytes"] = spmd.full_bytes(m.params.values())
         r["specs"] = {k: spmd.spec(v) for k, v in m.masters.items()}
         r["param_specs"] = {k: spmd.spec(v) for k, v in m.params.items()}
-    out.write_text(json.dumps({"devices": n, "threads": torch.get_num_threads(),
-                               "modes": results}, indent=1))  # fmt: skip
+    out.write_text(
+        json.dumps({"devices": n, "threads": torch.get_num_threads(), "modes": results}, indent=1)
+    )
     return 0
 
 

@@ -291,7 +291,6 @@ def _mixed_no_memo(pt: Point) -> Step:
 def _mixed_kernel(pt: Point) -> Step:
     """The native kernel alone, on the lists ``_plan`` would give it: what the step costs
     without mpfunc's per-leaf checks and planning in Python."""
-    from mpfunc.backends import _native
     from mpfunc.core._optimizer import Group
     from mpfunc.optim import _adam
 
@@ -301,11 +300,15 @@ def _mixed_kernel(pt: Point) -> Step:
     keys = list(masters)
     lists = {f: [getattr(state, f)[k] for k in keys] for f in ("step", "exp_avg", "exp_avg_sq")}
     group = Group(
-        [masters[k] for k in keys], [grads[k] for k in keys], state._replace(**lists), LR, None,
+        [masters[k] for k in keys],
+        [grads[k] for k in keys],
+        state._replace(**lists),
+        LR,
+        None,
         model=[params[k] for k in keys],
-    )  # fmt: skip
+    )
     hyper = _adam.AdamHyper(*BETAS, EPS, ADAMW_WD, decoupled=True, amsgrad=False, maximize=False)
-    return lambda: _native.adam_kernel(group, hyper)
+    return lambda: _adam._native_kernel(group, hyper)
 
 
 def _mixed_three_calls(pt: Point) -> Step:
@@ -379,11 +382,22 @@ def all_cases() -> list[Case]:
         Case(MIXED, "mpfunc, 1 pass, no memo", MIXED_BYTES, UPDATE_ROOF, _mixed_no_memo),
         Case(MIXED, "native kernel alone", MIXED_BYTES, UPDATE_ROOF, _mixed_kernel, ("cpu",)),
         Case(MIXED, "mpfunc, 3 calls", MIXED_BYTES, UPDATE_ROOF, _mixed_three_calls),
-        Case(MIXED, "torch.optim fused, fp32 tree", ADAM_BYTES, UPDATE_ROOF,
-             _update_torch("adamw", "fused"), NO_XLA),
-        Case(MIXED, "torch.optim default, fp32 tree", ADAM_BYTES, UPDATE_ROOF,
-             _update_torch("adamw", "default")),
-    ]  # fmt: skip
+        Case(
+            MIXED,
+            "torch.optim fused, fp32 tree",
+            ADAM_BYTES,
+            UPDATE_ROOF,
+            _update_torch("adamw", "fused"),
+            NO_XLA,
+        ),
+        Case(
+            MIXED,
+            "torch.optim default, fp32 tree",
+            ADAM_BYTES,
+            UPDATE_ROOF,
+            _update_torch("adamw", "default"),
+        ),
+    ]
     for kind, nbytes in (("sgd", SGD_BYTES), ("adam", ADAM_BYTES), ("adamw", ADAM_BYTES)):
         pure, inplace = f"apply_update {kind}", f"apply_update_ {kind}"
         cases.append(Case(pure, "mpfunc", nbytes, UPDATE_ROOF, _update_mpfunc(kind, "auto", False)))

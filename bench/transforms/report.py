@@ -193,9 +193,12 @@ def _mixed_targets(recs: list[Record]) -> list[Record]:
         return None
 
     big = sorted(
-        {(r["numel"], r["n_tensors"]) for r in recs
-         if r["transform"] == mixed and "size" in r["sweeps"] and r["numel"] >= 16 * 10**6}
-    )  # fmt: skip
+        {
+            (r["numel"], r["n_tensors"])
+            for r in recs
+            if r["transform"] == mixed and "size" in r["sweeps"] and r["numel"] >= 16 * 10**6
+        }
+    )
     pairs = [(k, find(one, *k), find(fused, *k)) for k in big]
     pairs = [(k, a, b) for k, a, b in pairs if a and b]
     out: list[Record] = []

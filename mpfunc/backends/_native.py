@@ -1,6 +1,7 @@
 """mpfunc's native CPU kernels: the mixed-precision Adam/AdamW step in one pass, and casts.
 
-``adam_kernel`` (the ``"native"`` kernel of ``adam``/``adamw``) reads each grad (fp32,
+``adam_mixed_`` (behind the ``"native"`` kernel of ``adam``/``adamw``, written in
+``optim/_adam.py``) reads each grad (fp32,
 bf16 or fp16), fp32 master and moment once and writes the master, the moments and, when
 the group has ``model`` tensors, the rounded low-precision param once: 28 bytes per
 element for bf16 grads and params, where ``grads_to_fp32_`` + fused AdamW +
@@ -15,9 +16,12 @@ by ``_plan._composed_fits``): per tile of 1,024 elements the strategy's load and
 format's decode fill cache-resident fp32 scratch, the fp32 math runs on it, and the encode
 and store write it back, bit for bit the torch path (load, torch's fused kernel, store).
 
-``sgd_kernel`` and ``lion_kernel`` (the ``"native"`` kernels of ``sgd`` and ``lion``) run
-the same composed pieces around SGD's or Lion's math (``step_rule_``), bit for bit the
-torch path with the foreach kernel.
+``rule_step`` (behind the ``"native"`` kernels of ``sgd`` and ``lion``, in their modules)
+runs the same composed pieces around SGD's or Lion's math (``step_rule_``), bit for bit
+the torch path with the foreach kernel. The optimizer modules hold their adapters and
+call this module's entries (``adam_mixed_``, ``composed_args`` with ``load()``'s
+``step_composed_``, ``rule_step``), and register how ``serves`` probes them
+(``register_rule``): this layer never imports the optimizers.
 
 ``cast_`` converts lists of
 tensors between float32 and bfloat16/float16 bit for bit as ``Tensor.to`` does, NaN
@@ -71,19 +75,21 @@ __all__ = [
     "NativeBuildError",
     "NativeFallbackWarning",
     "NativeUnavailable",
-    "adam_kernel",
     "adam_mixed_",
     "available",
     "build_info",
     "cast_",
     "cast_agrees",
     "casts",
+    "composed_args",
     "key_function",
-    "lion_kernel",
     "load",
     "loaded",
+    "plain",
+    "register_rule",
+    "rule_step",
+    "salts",
     "serves",
-    "sgd_kernel",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "adam_mixed.cpp"
@@ -427,7 +433,7 @@ def build_info() -> dict[str, Any]:
     return dict(_info)
 
 
-# --- the optimizer kernel -------------------------------------------------------------------
+# --- the optimizers' entries (their adapters live in optim/_<name>.py) ------------------------
 
 
 def adam_mixed_(
@@ -497,30 +503,9 @@ def adam_mixed_(
     )  # fmt: skip
 
 
-def adam_kernel(group: Group, h: Any) -> None:
-    """``adam``/``adamw``'s ``"native"`` kernel: the whole group in one call, one pass.
-
-    Honours the kernel contract: grads in fp32 or low precision are divided by
-    ``group.scale`` when it is set; ``group.skip`` (the kernel's ``found_inf``) leaves
-    every tensor and step count bit-identical; ``group.model``, when set, receives the
-    rounded masters. ``_plan`` picks it for CPU groups of one master strategy and one
-    state format (``composed_format``), one grad dtype and one model dtype, every tensor
-    of a leaf sharing one dense layout (contiguous where draws or 8-bit blocks follow
-    the element index).
-    """
-    s = group.state
-    if group.params and not _plain(group.params[0], s.exp_avg[0]):
-        _composed(group, h)
-        return
-    adam_mixed_(
-        group.params, group.grads, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step,
-        group.model, lr=group.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-        weight_decay=h.weight_decay, decoupled=h.decoupled, amsgrad=h.amsgrad,
-        maximize=h.maximize, grad_scale=group.scale, found_inf=group.skip,
-    )  # fmt: skip
-
-
-def _plain(master: Any, moment: Any) -> bool:
+def plain(master: Any, moment: Any) -> bool:
+    """Whether a leaf is an fp32 master with fp32 moments (``adam_mixed_`` takes it; any
+    other (strategy, state format) pair takes the composed entries)."""
     return isinstance(master, torch.Tensor) and getattr(moment, "dtype", None) == torch.float32
 
 
@@ -533,7 +518,12 @@ FORMAT_CODES = {f.key: f.native for f in _state_format.FORMATS.values() if f.nat
 _SALTED = {f.native for f in _state_format.FORMATS.values() if f.salted}
 
 
-def _composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
+def salts(group: Group, fmt: int) -> list[int]:
+    """The group's salts where format ``fmt``'s store draws random bits, else none."""
+    return list(group.salts or []) if fmt in _SALTED else []
+
+
+def composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
     """A group's strategy and state-format codes and its tensors as the composed entries
     take them: (strategy, format, prims, auxs, data, scales). ``moments``: the state
     fields, each a list over the group's leaves (none: format 0). A format with a
@@ -553,25 +543,11 @@ def _composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
     return strategy, fmt, prims, auxs, data, scales
 
 
-def _composed(group: Group, h: Any) -> None:
-    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
-    s = group.state
-    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
-    strategy, fmt, prims, auxs, data, scales = _composed_args(group, moments)
-    lr = group.lr
-    load().step_composed_(
-        strategy, fmt, prims, auxs, group.grads, data, scales, s.step, group.model or [],
-        list(group.salts or []) if fmt in _SALTED else [],
-        0.0 if isinstance(lr, torch.Tensor) else float(lr),
-        lr if isinstance(lr, torch.Tensor) else None, float(h.beta1), float(h.beta2),
-        float(h.eps), float(h.weight_decay), bool(h.decoupled), bool(h.amsgrad),
-        bool(h.maximize), group.scale, group.skip,
-    )  # fmt: skip
-
-
-def _rule_step(group: Group, rule: int, moment: Any, a: float, b: float, h: Any) -> None:
-    """``step_rule_``: SGD (``rule`` 0) or Lion (1) over any strategy and state format."""
-    strategy, fmt, prims, auxs, data, scales = _composed_args(
+def rule_step(group: Group, rule: int, moment: Any, a: float, b: float, h: Any) -> None:
+    """``step_rule_``: SGD (``rule`` 0: ``a``, ``b`` = momentum, dampening) or Lion (1: beta1,
+    beta2) over any strategy and state format; ``h`` gives ``weight_decay``, ``maximize``
+    and (SGD) ``nesterov``."""
+    strategy, fmt, prims, auxs, data, scales = composed_args(
         group, [] if moment is None else [moment]
     )
     lr = group.lr
@@ -584,70 +560,62 @@ def _rule_step(group: Group, rule: int, moment: Any, a: float, b: float, h: Any)
     )  # fmt: skip
 
 
-def sgd_kernel(group: Group, h: Any) -> None:
-    """``sgd``'s ``"native"`` kernel: the whole group in one pass (``step_rule_``), bit for
-    bit ``_sgd._foreach`` on the strategy's fp32 values (the torch path), under the same
-    contract and for the same leaves as ``adam_kernel``."""
-    buf = group.state.momentum_buffer if h.momentum else None
-    _rule_step(group, 0, buf, h.momentum, h.dampening, h)
-
-
-def lion_kernel(group: Group, h: Any) -> None:
-    """``lion``'s ``"native"`` kernel: as ``sgd_kernel``, bit for bit ``_lion._foreach``."""
-    _rule_step(group, 1, group.state.exp_avg, h.beta1, h.beta2, h)
-
-
-# Whether step_rule_ gives this torch's bits, per (rule kernel, a zero beta): decided once.
-_serving: dict[tuple[Any, bool], bool] = {}
+# Whether step_rule_ gives this torch's bits, per (rule kernel, variant): decided once.
+_serving: dict[tuple[Any, Any], bool] = {}
 
 
 def serves(kernel: Any, h: Any) -> bool:
     """Whether the native ``kernel`` can take a rule's leaves here: the module is available
-    (built on the first call, as ``available``) and, for ``sgd_kernel`` and
-    ``lion_kernel``, it writes exactly what this process's torch writes on the torch path.
+    (built on the first call, as ``available``) and, for a kernel registered with
+    ``register_rule`` (SGD's and Lion's), it writes exactly what this process's torch
+    writes on the torch path.
 
     Their bits rest on how torch's foreach ops round (every multiply-add an FMA in the
     vector loop and the tail; lerp's tail form, which differs at a weight of 1, on the last
     ``len % 16`` elements of each thread's part), probed on torch 2.9's AVX512, AVX2 and
     DEFAULT kernels. Another torch may round otherwise, so each process runs both on probe
-    leaves once (lengths that end in every kind of tail, signed zeros, a later step, float
-    and tensor lrs; Lion with a zero beta on its own) before using the pass, like
-    ``cast_agrees``; where they differ, the rule keeps the torch path.
+    leaves once per variant (lengths that end in every kind of tail, signed zeros, a later
+    step, float and tensor lrs; Lion with a zero beta is a variant of its own) before using
+    the pass, like ``cast_agrees``; where they differ, the rule keeps the torch path.
     """
     if not available():
         return False
-    if kernel is not sgd_kernel and kernel is not lion_kernel:
+    if kernel not in _RULES:
         return True
-    zero_beta = kernel is lion_kernel and (h.beta1 == 0 or h.beta2 == 0)
-    key = (kernel, zero_beta)
+    variant = _RULES[kernel][4](h)
+    key = (kernel, variant)
     if key not in _serving:
         with torch.no_grad():
-            _serving[key] = _rule_probe(kernel, zero_beta)
+            _serving[key] = _rule_probe(kernel, variant)
         if not _serving[key]:
-            _log.info("mpfunc: %s differs from this torch's foreach ops; using those",
-                      kernel.__name__)  # fmt: skip
+            _log.info("mpfunc: %s.%s differs from this torch's foreach ops; using those",
+                      kernel.__module__, kernel.__name__)  # fmt: skip
     return _serving[key]
 
 
-# kernel -> (state maker, its field, the torch path's kernel, cases(zero_beta)): each rule's
-# module registers its own (register_rule), so this layer never imports the optimizers.
-_RULES: dict[Any, tuple[Any, str, Any, Any]] = {}
+# kernel -> (state maker, its field, the torch path's kernel, cases(variant), variant(h)):
+# each rule's module registers its own (register_rule), so this layer never imports the
+# optimizers.
+_RULES: dict[Any, tuple[Any, str, Any, Any, Any]] = {}
 
 
-def register_rule(kernel: Any, make: Any, field: str, spec: Any, cases: Any) -> None:
+def register_rule(
+    kernel: Any, make: Any, field: str, spec: Any, cases: Any, variant: Any = None
+) -> None:
     """Registers how ``serves`` probes a rule kernel against its torch path: ``make`` builds
-    the state from ``step`` and ``field`` lists, ``spec`` is the torch path's kernel, and
-    ``cases(zero_beta)`` gives the (hyperparameters, lr) pairs to run."""
-    _RULES[kernel] = (make, field, spec, cases)
+    the state from ``step`` and ``field`` lists, ``spec`` is the torch path's kernel,
+    ``variant(h)`` says which probe the hyperparameters ``h`` need (a hashable; by default
+    one for all) and ``cases(variant)`` gives the (hyperparameters, lr) pairs to run."""
+    _RULES[kernel] = (make, field, spec, cases, variant or (lambda h: None))
 
 
-def _rule_probe(kernel: Any, zero_beta: bool) -> bool:
+def _rule_probe(kernel: Any, variant: Any) -> bool:
     from mpfunc.core._optimizer import Group
 
     if kernel not in _RULES:
         return False
-    make, field, spec, cases_of = _RULES[kernel]
-    cases: list[tuple[Any, Any]] = cases_of(zero_beta)
+    make, field, spec, cases_of, _ = _RULES[kernel]
+    cases: list[tuple[Any, Any]] = cases_of(variant)
     gen = torch.Generator().manual_seed(0)
     sizes = (7, 40, 1000, 40017)  # tails of 7, 8 and 17 (two parts from 2 threads)
     for h, lr in cases:

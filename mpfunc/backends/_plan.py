@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from mpfunc.backends import _diagnostics, _native, _xla_kernels, _xla_watch
-from mpfunc.core import _cache, _checks, _dtensor, _gc, _tree
+from mpfunc.core import _cache, _checks, _dtensor, _gc, _optimizer, _tree
 from mpfunc.core._checks import LR, Like, LRArg, Side
 from mpfunc.core._compile import compiling
 from mpfunc.core._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
@@ -816,6 +816,7 @@ def elementwise(
     rule: Rule, hyper: Any, impl: str, lr: LRArg, state_dtype: torch.dtype | None = None
 ) -> Optimizer:
     """The ``Optimizer`` for an elementwise ``rule`` with these hyperparameters."""
+    _optimizer.made_by_factory(rule.name)
     kinds = rule.fields(hyper)
 
     @_gc.without_gc  # a few objects per leaf: no full collections over 100,000 leaves

@@ -1,5 +1,8 @@
-"""One traced node per optimizer step on XLA: Adam/AdamW, SGD and Lion as XLA user
-computations, the ``"xla"`` kernels of ``mpfunc.adam``/``adamw``/``sgd``/``lion``.
+"""One traced node per optimizer step on XLA: the machinery of the ``"xla"`` kernels of
+``mpfunc.adam``/``adamw``/``sgd``/``lion``. Each optimizer's computation (``_build_xla``
+in ``optim/_<name>.py``) is written with ``Builder`` and run by ``step``; the layout of
+the inputs, the checks, each master strategy's and state format's loads and stores, the
+cache and the call are here.
 
 On the XLA device every torch op is traced into the graph on the host, and for an
 optimizer the tracing is the step: mpfunc's foreach Adam traces about 16 nodes per
@@ -63,14 +66,17 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Optional, Union
 
 import torch
 
 from mpfunc.state_formats import _state_format
 from mpfunc.strategies import _strategy
 
-__all__ = ["adam_xla_", "clear_cache", "lion_xla_", "sgd_xla_"]
+if TYPE_CHECKING:
+    from mpfunc.core._optimizer import Group
+
+__all__ = ["Builder", "Leaves", "clear_cache", "step"]
 
 LR = Union[float, torch.Tensor]
 
@@ -102,11 +108,6 @@ def _xlac() -> Any:
 
 def _type(dtype: torch.dtype) -> str:
     return str(_xb().Op.from_torch_type(dtype))
-
-
-def _ln(beta: float) -> float:
-    """ln(beta), with ln(0) = -inf so that 1 - 0**t = -expm1(-inf) = 1 (as ``_adam._ln``)."""
-    return math.log(beta) if beta > 0 else -math.inf
 
 
 # --- inputs, keys and the call ---------------------------------------------------------------
@@ -871,344 +872,51 @@ class _B:
         return op if src == dst else op.cast(_type(dst))
 
 
-class _AdamHyper(NamedTuple):
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
-    amsgrad: bool
-    maximize: bool
+# --- the optimizers' entry -------------------------------------------------------------------
+
+# What an optimizer module's ``"xla"`` kernel builds with: its computation is a function
+# ``build(h, leaves, shared_key)`` written with a ``Builder`` over the ``Leaves`` of a group.
+Builder = _B
+Leaves = _Leaves
 
 
-def _build_adam(h: _AdamHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
-    """The computation of one Adam/AdamW step over ``group``.
-
-    Op for op the HLO of ``_plan._run_mixed`` around ``_adam._foreach`` (with
-    ``_optimizer.unless_skipped`` for the skip): the strategy's load, the moments widened,
-    the moments by ``lerp`` (``m + (1 - beta1) * (g - m)``) and ``v * beta2 + g*g *
-    (1 - beta2)``, the bias corrections ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``
-    through ``expm1(t * ln beta)``, ``p + m / ((sqrt(v) / c2 + eps) / c1)``, then the
-    moments rounded back and the strategy's store.
-    """
-    b = _B("mpfunc_adam")
-    f32 = torch.float32
-    n_moments = 3 if h.amsgrad else 2
-    units, moments, S, L = b.fields(group, n_moments)
-    md = b.moment_dtype(group, n_moments)
-    M, V = moments[0], moments[1]
-    VM = moments[2] if h.amsgrad else [None] * len(M)
-    G = b.grad_params(group)
-    lr_kind, skip_kind, scaled = shared
-    lr = b.param((), f32)
-    use_decay = h.weight_decay != 0 and h.decoupled
-    decay = b.param((), f32) if (use_decay and lr_kind == "float") else None
-    if use_decay and decay is None:
-        # Tensor lr: ``1 - lr * weight_decay`` in fp32 on the device, as _foreach does.
-        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
-    skip = b.skip(skip_kind)
-    ins = list(zip(units, b.unscale(G, scaled), M, V, VM, S, L))
-
-    one = b.f32(1.0)
-    ln_b1, ln_b2 = b.f32(_ln(h.beta1)), b.f32(_ln(h.beta2))
-    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
-    beta2, eps, wd = b.f32(h.beta2), b.f32(h.eps), b.f32(h.weight_decay)
-    outs = []
-    lows = group.low_dtypes or (None,) * len(ins)
-    for i, ((unit, g, m0, v0, vm0, s, old_low), low) in enumerate(zip(ins, lows)):
-        if h.maximize:
-            g = -g
-        s1 = b.keep(skip, s, s + one)
-        q = b.load(group, i, unit, old_low)
-        p1 = q
-        if h.weight_decay != 0:
-            if h.decoupled:
-                p1 = q * decay
-            else:
-                g = g + q * wd
-        shape = group.shapes[i]
-        draw = (s1, group.salts[i] if group.salts else 0, shape)
-        m, v = b.widen(m0, md, shape), b.widen(v0, md, shape)
-        m1 = b.keep(skip, m, m + w1 * (g - m))
-        v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
-        vm1 = None
-        if vm0 is not None:
-            vm = b.widen(vm0, md, shape)
-            vm1 = b.keep(skip, vm, vm.max(v1))
-        vd = v1 if vm1 is None else vm1
-        c2 = (-((s1 * ln_b2).expm1())).sqrt()
-        c1 = (one / (s1 * ln_b1).expm1()) * lr
-        denom = ((vd.sqrt() / c2) + eps) / c1
-        master = b.store(skip, group, i, unit, p1 + m1 / denom)
-        new = b.narrow(skip, m0, m1, md, draw) + b.narrow(skip, v0, v1, md, draw)
-        if vm1 is not None:
-            new += b.narrow(skip, vm0, vm1, md, draw)
-        outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
-    return b.xb.Op.tuple(outs).build("mpfunc_adam")
-
-
-class _SGDHyper(NamedTuple):
-    momentum: float
-    dampening: float
-    weight_decay: float
-    nesterov: bool
-    maximize: bool
-
-
-def _build_sgd(h: _SGDHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
-    """The computation of one SGD step over ``group``: op for op ``_sgd._foreach`` between
-    the strategy's and state format's loads and stores (as ``_build_adam``).
-
-    The buffer starts at zero and the first step is told apart on the device: the
-    gradient's coefficient is ``1 - dampening * min(step, 1)``.
-    """
-    b = _B("mpfunc_sgd")
-    f32 = torch.float32
-    n_moments = 1 if h.momentum != 0 else 0
-    units, moments, S, L = b.fields(group, n_moments)
-    md = b.moment_dtype(group, n_moments)
-    B = moments[0] if h.momentum != 0 else [None] * len(S)
-    G = b.grad_params(group)
-    _, skip_kind, scaled = shared
-    lr = b.param((), f32)
-    skip = b.skip(skip_kind)
-    ins = list(zip(units, b.unscale(G, scaled), B, S, L))
-
-    one = b.f32(1.0)
-    mom, wd, neg_damp = b.f32(h.momentum), b.f32(h.weight_decay), b.f32(-h.dampening)
-    outs = []
-    lows = group.low_dtypes or (None,) * len(ins)
-    for i, ((unit, g, buf0, s, old_low), low) in enumerate(zip(ins, lows)):
-        if h.maximize:
-            g = -g
-        q = b.load(group, i, unit, old_low)
-        if h.weight_decay != 0:
-            g = g + q * wd
-        new = []
-        s1 = b.keep(skip, s, s + one)
-        if buf0 is not None:
-            shape = group.shapes[i]
-            draw = (s1, group.salts[i] if group.salts else 0, shape)
-            buf = b.widen(buf0, md, shape)
-            # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
-            coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
-            buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
-            g = g + buf1 * mom if h.nesterov else buf1
-            new += b.narrow(skip, buf0, buf1, md, draw)
-        master = b.store(skip, group, i, unit, q - g * lr)
-        outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
-    return b.xb.Op.tuple(outs).build("mpfunc_sgd")
-
-
-class _LionHyper(NamedTuple):
-    beta1: float
-    beta2: float
-    weight_decay: float
-    maximize: bool
-
-
-def _build_lion(h: _LionHyper, group: _Leaves, shared: tuple[Any, ...]) -> Any:
-    """The computation of one Lion step over ``group``: op for op ``_lion._foreach`` between
-    the strategy's and state format's loads and stores (as ``_build_adam``).
-
-    torch_xla lowers ``lerp`` to ``m + w * (g - m)`` and ``sign`` to XLA's sign with NaN
-    mapped to 0 (as torch's ``sign``), and both are written that way here.
-    """
-    b = _B("mpfunc_lion")
-    f32 = torch.float32
-    units, (M,), S, L = b.fields(group, 1)
-    md = b.moment_dtype(group, 1)
-    G = b.grad_params(group)
-    lr_kind, skip_kind, scaled = shared
-    lr = b.param((), f32)
-    decay = b.param((), f32) if (h.weight_decay != 0 and lr_kind == "float") else None
-    if h.weight_decay != 0 and decay is None:
-        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
-    skip = b.skip(skip_kind)
-    ins = list(zip(units, b.unscale(G, scaled), M, S, L))
-
-    one = b.f32(1.0)
-    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
-    outs = []
-    lows = group.low_dtypes or (None,) * len(ins)
-    for i, ((unit, g, m0, s, old_low), low) in enumerate(zip(ins, lows)):
-        if h.maximize:
-            g = -g
-        s1 = b.keep(skip, s, s + one)
-        q = b.load(group, i, unit, old_low)
-        p1 = q * decay if h.weight_decay != 0 else q
-        shape = group.shapes[i]
-        m = b.widen(m0, md, shape)
-        c = m + w1 * (g - m)
-        direction = b.sign(c)
-        master = b.store(skip, group, i, unit, p1 - direction * lr)
-        m1 = b.keep(skip, m, m + w2 * (g - m))
-        draw = (s1, group.salts[i] if group.salts else 0, shape)
-        new = [*b.narrow(skip, m0, m1, md, draw), s1]
-        outs.extend(master + new + b.round_out(skip, old_low, master[0], low))
-    return b.xb.Op.tuple(outs).build("mpfunc_lion")
-
-
-# --- entry points ----------------------------------------------------------------------------
-
-
-def adam_xla_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avg: Sequence[torch.Tensor],
-    exp_avg_sq: Sequence[torch.Tensor],
-    max_exp_avg_sq: Optional[Sequence[Optional[torch.Tensor]]],
-    steps: Sequence[torch.Tensor],
-    *,
-    lr: LR,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    amsgrad: bool,
-    maximize: bool,
-    found_inf: Optional[torch.Tensor] = None,
-    grad_scale: Optional[LR] = None,
-    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    salts: Optional[Sequence[int]] = None,
+def step(
+    kind: str,
+    h: tuple[Any, ...],
+    group: Group,
+    moments: Sequence[tuple[str, Sequence[Any]]],
+    decay: Optional[float],
+    build: Callable[[Any, _Leaves, tuple[Any, ...]], Any],
 ) -> None:
-    """One Adam (``decoupled=False``) or AdamW step over same-device XLA tensors, traced as
-    one node.
-
-    The same bits as ``mpfunc.optim._adam._foreach`` (and the same state), in place.
+    """One step of an optimizer's ``"xla"`` kernel over same-device XLA tensors, traced as
+    one node (``xla::mpfunc_<kind>``), in place.
 
     Args:
-      params: fp32 masters, or the units of one master strategy (``PARAM_DTYPES``: their
-        param and buffer are loaded and stored inside, as the strategy does), updated in
-        place.
-      grads: grads shaped like ``params``, of any floating dtype (widened to fp32 inside,
-        exactly as ``grads_to_fp32_`` would).
-      exp_avg, exp_avg_sq, max_exp_avg_sq: the moments, all float32, all bfloat16 or all
-        8-bit ``QState``s (``max_exp_avg_sq`` is read only with ``amsgrad``; pass ``None``
-        otherwise).
-      steps: 0-d float32 step counts, one per leaf, incremented unless skipped.
-      lr: a float, or a 0-d float32 tensor on the device (changing it never recompiles).
-      beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``mpfunc.adam``.
-      found_inf: ``None``, or a 0-d bool (or float) tensor on the device; where true
-        (nonzero), masters, moments and steps keep their exact bits, with no host read.
-      grad_scale: ``None``, or the loss scale (a float or a 0-d float32 device tensor):
-        the widened grads are divided by it first, as ``grads_to_fp32_(scale=)`` does.
-      model_params: ``None``, or (fp32 masters only) one floating tensor per leaf that
-        receives the master after the step rounded to its dtype (round to nearest even),
-        as ``masters_to_model_`` writes it; where the step is skipped it keeps its bits.
-      salts: with 8-bit moments (``QState``s), each leaf's place in the whole tree (the
-        salt of its second moment's draws, as ``_state_format.store`` takes it).
+      kind: the optimizer's name in the node and the cache key.
+      h: its hyperparameters (a NamedTuple, part of the cache key), as ``build`` takes them.
+      group: the kernel's ``Group``: ``params`` fp32 masters or the units of one master
+        strategy (``PARAM_DTYPES``), grads of any floating dtype (widened inside, as
+        ``grads_to_fp32_`` does), ``state.step`` 0-d float32 counts, ``lr`` a float or a 0-d
+        float32 device tensor (changing either never recompiles), ``skip`` (bool or float,
+        nonzero: every state tensor keeps its bits), ``scale`` the loss scale the widened
+        grads are divided by, ``model`` (fp32 masters only) the params that receive the
+        masters rounded, ``salts`` each leaf's place in the tree (8-bit moments' draws).
+      moments: the state fields the step rewrites besides the step count, ``(name, list)``
+        in the order ``build`` reads them (``Builder.fields``), all float32, all bfloat16
+        or all 8-bit ``QState``s.
+      decay: the decoupled weight decay, or ``None``: with a float lr, ``1 - lr * decay`` is
+        computed in float64, rounded once and passed as an input (``_shared_inputs``).
+      build: makes the computation (called once per cache key).
 
     Raises:
       TypeError, ValueError: a list's length, a tensor's dtype, shape or device, or ``lr``,
-        ``found_inf`` or ``grad_scale`` is not as stated. Nothing is written then. The
-        hyperparameters are taken as checked (``mpfunc.adam``/``adamw`` check them).
+        ``skip`` or ``scale`` is not as stated. Nothing is written then. The
+        hyperparameters are taken as checked (the optimizer's factory checks them).
     """
-    fn = "adam_xla_"
-    if not params:
+    if not group.params:
         return
-    h = _AdamHyper(
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(decoupled),
-        bool(amsgrad),
-        bool(maximize),
-    )
-    moments: list[tuple[str, Sequence[Optional[torch.Tensor]]]] = [
-        ("exp_avg", exp_avg),
-        ("exp_avg_sq", exp_avg_sq),
-    ]
-    if h.amsgrad:
-        if max_exp_avg_sq is None:
-            raise ValueError(
-                f"{fn}: max_exp_avg_sq: expected a list of tensors (amsgrad), got None"
-            )
-        moments.append(("max_exp_avg_sq", max_exp_avg_sq))
-    group = _gather(fn, params, grads, moments, steps, model_params, salts)
-    decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
-    shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    _run("adam", h, group, shared, _build_adam)
-
-
-def sgd_xla_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffer: Optional[Sequence[Optional[torch.Tensor]]],
-    steps: Sequence[torch.Tensor],
-    *,
-    lr: LR,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    found_inf: Optional[torch.Tensor] = None,
-    grad_scale: Optional[LR] = None,
-    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    salts: Optional[Sequence[int]] = None,
-) -> None:
-    """One SGD step over same-device XLA tensors, traced as one node: the same bits as
-    ``mpfunc.optim._sgd._foreach``, in place.
-
-    Args:
-      params, grads, steps, lr, found_inf, grad_scale, model_params: as ``adam_xla_``.
-      momentum_buffer: buffers (starting at zero) when ``momentum != 0``, else ``None``.
-      momentum, dampening, weight_decay, nesterov, maximize: as ``mpfunc.sgd``.
-
-    Raises:
-      TypeError, ValueError: as ``adam_xla_``.
-    """
-    fn = "sgd_xla_"
-    if not params:
-        return
-    h = _SGDHyper(
-        float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize)
-    )
-    moments: list[tuple[str, Sequence[Optional[torch.Tensor]]]] = []
-    if h.momentum != 0:
-        if momentum_buffer is None:
-            raise ValueError(f"{fn}: momentum_buffer: expected a list of tensors, got None")
-        moments.append(("momentum_buffer", momentum_buffer))
-    group = _gather(fn, params, grads, moments, steps, model_params, salts)
-    shared = _shared_inputs(fn, group.device, lr, found_inf, None, grad_scale)
-    _run("sgd", h, group, shared, _build_sgd)
-
-
-def lion_xla_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avg: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    *,
-    lr: LR,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    maximize: bool,
-    found_inf: Optional[torch.Tensor] = None,
-    grad_scale: Optional[LR] = None,
-    model_params: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    salts: Optional[Sequence[int]] = None,
-) -> None:
-    """One Lion step over same-device XLA tensors, traced as one node: ``_lion._foreach``
-    op for op, in place.
-
-    Args:
-      params, grads, steps, lr, found_inf, grad_scale, model_params: as ``adam_xla_``.
-      exp_avg: the momentum, like ``params``.
-      beta1, beta2, weight_decay, maximize: as ``mpfunc.lion``.
-
-    Raises:
-      TypeError, ValueError: as ``adam_xla_``.
-    """
-    fn = "lion_xla_"
-    if not params:
-        return
-    h = _LionHyper(float(beta1), float(beta2), float(weight_decay), bool(maximize))
-    group = _gather(fn, params, grads, [("exp_avg", exp_avg)], steps, model_params, salts)
-    decay = h.weight_decay if h.weight_decay != 0 else None
-    shared = _shared_inputs(fn, group.device, lr, found_inf, decay, grad_scale)
-    _run("lion", h, group, shared, _build_lion)
+    fn = f"xla::mpfunc_{kind}"
+    state = group.state
+    leaves = _gather(fn, group.params, group.grads, moments, state.step, group.model, group.salts)
+    shared = _shared_inputs(fn, leaves.device, group.lr, group.skip, decay, group.scale)
+    _run(kind, h, leaves, shared, build)

@@ -176,7 +176,14 @@ _TORCH_OPTIM_ATTRS = frozenset(
         "state",
     }
 )
-_FACTORIES = frozenset({"sgd", "adam", "adamw", "lion"})
+# The names of the optimizers ``_plan.elementwise`` has made, each a public factory
+# (``mpfunc.<name>``, as ``Rule.name`` says): the torch.optim-habit errors name it.
+_FACTORIES: set[str] = set()
+
+
+def made_by_factory(name: str) -> None:
+    """Records that ``name`` is a factory's name (``mpfunc.<name>``)."""
+    _FACTORIES.add(name)
 
 
 def _not_torch_optim(opt: Optimizer, attr: str) -> str:

@@ -1,15 +1,17 @@
-"""``adam`` and ``adamw``: Adam over master trees, three implementations of one step.
+"""``adam`` and ``adamw``: Adam over master trees, five implementations of one step.
 
-* ``native``: mpfunc's own CPU kernel (``_native.adam_kernel``), bit-identical to
-  ``fused`` for finite values, that also takes low-precision grads and writes rounded
-  params in the same pass. Default on CPU where it builds and the layouts allow.
+* ``native``: mpfunc's own CPU kernel (``_native_kernel``, on ``backends/_native``'s C++
+  entries), bit-identical to ``fused`` for finite values, that also takes low-precision
+  grads and writes rounded params in the same pass. Default on CPU where it builds and
+  the layouts allow.
 * ``fused``: torch's own fused kernels (``torch._fused_adam_``/``_fused_adamw_``),
   the ones ``torch.optim.Adam(fused=True)`` runs. Default on CUDA, and on CPU without
   ``native``, where the leaf's tensors share one dense layout (``_plan`` decides).
 * ``foreach``: a sync-free chain of ``torch._foreach_*`` ops; on XLA it traces into
   one graph with no host read (about 16 nodes per leaf).
-* ``xla``: on XLA, the whole group as one traced node (``_xla_kernels``): the
-  ``foreach`` math as one cached XLA computation. Default on XLA for fp32 masters.
+* ``xla``: on XLA, the whole group as one traced node: the ``foreach`` math as one
+  cached XLA computation (``_build_xla``, run by ``backends/_xla_kernels``). Default on
+  XLA for fp32 masters.
 * ``reference``: the same math as ``foreach``, one tensor at a time, to read.
 
 No implementation reads a tensor on the host: bias corrections are computed
@@ -24,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.backends import _native, _plan
+from mpfunc.backends import _native, _plan, _xla_kernels
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
@@ -206,20 +208,29 @@ def _fused(group: Group, h: AdamHyper) -> None:
     )
 
 
-def _xla(group: Group, h: AdamHyper) -> None:
-    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach``'s math op
-    for op, with grads widened and divided by ``group.scale`` inside, and ``group.model``
-    written. The plan picks it on XLA for fp32 masters and state."""
-    from mpfunc.backends import _xla_kernels
+def _native_kernel(group: Group, h: AdamHyper) -> None:
+    """The ``"native"`` kernel: the whole group in one call, one pass (``_native``).
 
+    Honours the kernel contract: grads in fp32 or low precision are divided by
+    ``group.scale`` when it is set; ``group.skip`` (the kernel's ``found_inf``) leaves
+    every tensor and step count bit-identical; ``group.model``, when set, receives the
+    rounded masters. ``_plan`` picks it for CPU groups of one master strategy and one
+    state format (``composed_format``), one grad dtype and one model dtype, every tensor
+    of a leaf sharing one dense layout (contiguous where draws or 8-bit blocks follow
+    the element index).
+    """
     s: AdamState = group.state
-    _xla_kernels.adam_xla_(
+    if group.params and not _native.plain(group.params[0], s.exp_avg[0]):
+        _composed(group, h)
+        return
+    _native.adam_mixed_(
         group.params,
         group.grads,
         s.exp_avg,
         s.exp_avg_sq,
         s.max_exp_avg_sq,
         s.step,
+        group.model,
         lr=group.lr,
         beta1=h.beta1,
         beta2=h.beta2,
@@ -228,11 +239,124 @@ def _xla(group: Group, h: AdamHyper) -> None:
         decoupled=h.decoupled,
         amsgrad=h.amsgrad,
         maximize=h.maximize,
-        found_inf=group.skip,
         grad_scale=group.scale,
-        model_params=group.model,
-        salts=group.salts,
+        found_inf=group.skip,
     )
+
+
+def _composed(group: Group, h: AdamHyper) -> None:
+    """A group of one non-default (strategy, state format) pair: ``step_composed_``."""
+    s: AdamState = group.state
+    moments = [s.exp_avg, s.exp_avg_sq, *([s.max_exp_avg_sq] if h.amsgrad else [])]
+    strategy, fmt, prims, auxs, data, scales = _native.composed_args(group, moments)
+    lr = group.lr
+    tensor_lr = lr if isinstance(lr, torch.Tensor) else None
+    _native.load().step_composed_(
+        strategy,
+        fmt,
+        prims,
+        auxs,
+        group.grads,
+        data,
+        scales,
+        s.step,
+        group.model or [],
+        _native.salts(group, fmt),
+        0.0 if tensor_lr is not None else float(lr),
+        tensor_lr,
+        float(h.beta1),
+        float(h.beta2),
+        float(h.eps),
+        float(h.weight_decay),
+        bool(h.decoupled),
+        bool(h.amsgrad),
+        bool(h.maximize),
+        group.scale,
+        group.skip,
+    )
+
+
+def _xla(group: Group, h: AdamHyper) -> None:
+    """The whole group as one XLA computation (``_build_xla``, run by
+    ``_xla_kernels.step``): ``_foreach``'s math op for op, with grads widened and divided
+    by ``group.scale`` inside, and ``group.model`` written. The plan picks it on XLA for
+    fp32 masters and state."""
+    s: AdamState = group.state
+    moments = [("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)]
+    if h.amsgrad:
+        if s.max_exp_avg_sq is None:
+            raise ValueError(
+                "xla::mpfunc_adam: max_exp_avg_sq: expected a list of tensors (amsgrad), got None"
+            )
+        moments.append(("max_exp_avg_sq", s.max_exp_avg_sq))
+    decay = h.weight_decay if (h.decoupled and h.weight_decay != 0) else None
+    _xla_kernels.step("adam", h, group, moments, decay, _build_xla)
+
+
+def _build_xla(h: AdamHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one Adam/AdamW step over ``group``.
+
+    Op for op the HLO of ``_plan._run_mixed`` around ``_foreach`` (with
+    ``_optimizer.unless_skipped`` for the skip): the strategy's load, the moments widened,
+    the moments by ``lerp`` (``m + (1 - beta1) * (g - m)``) and ``v * beta2 + g*g *
+    (1 - beta2)``, the bias corrections ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``
+    through ``expm1(t * ln beta)``, ``p + m / ((sqrt(v) / c2 + eps) / c1)``, then the
+    moments rounded back and the strategy's store.
+    """
+    b = _xla_kernels.Builder("mpfunc_adam")
+    f32 = torch.float32
+    n_moments = 3 if h.amsgrad else 2
+    units, moments, S, L = b.fields(group, n_moments)
+    md = b.moment_dtype(group, n_moments)
+    M, V = moments[0], moments[1]
+    VM = moments[2] if h.amsgrad else [None] * len(M)
+    G = b.grad_params(group)
+    lr_kind, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    use_decay = h.weight_decay != 0 and h.decoupled
+    decay = b.param((), f32) if (use_decay and lr_kind == "float") else None
+    if use_decay and decay is None:
+        # Tensor lr: ``1 - lr * weight_decay`` in fp32 on the device, as _foreach does.
+        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
+    skip = b.skip(skip_kind)
+    ins = list(zip(units, b.unscale(G, scaled), M, V, VM, S, L))
+
+    one = b.f32(1.0)
+    ln_b1, ln_b2 = b.f32(_ln(h.beta1)), b.f32(_ln(h.beta2))
+    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
+    beta2, eps, wd = b.f32(h.beta2), b.f32(h.eps), b.f32(h.weight_decay)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for i, ((unit, g, m0, v0, vm0, s, old_low), low) in enumerate(zip(ins, lows)):
+        if h.maximize:
+            g = -g
+        s1 = b.keep(skip, s, s + one)
+        q = b.load(group, i, unit, old_low)
+        p1 = q
+        if h.weight_decay != 0:
+            if h.decoupled:
+                p1 = q * decay
+            else:
+                g = g + q * wd
+        shape = group.shapes[i]
+        draw = (s1, group.salts[i] if group.salts else 0, shape)
+        m, v = b.widen(m0, md, shape), b.widen(v0, md, shape)
+        m1 = b.keep(skip, m, m + w1 * (g - m))
+        v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
+        vm1 = None
+        if vm0 is not None:
+            vm = b.widen(vm0, md, shape)
+            vm1 = b.keep(skip, vm, vm.max(v1))
+        vd = v1 if vm1 is None else vm1
+        c2 = (-((s1 * ln_b2).expm1())).sqrt()
+        c1 = (one / (s1 * ln_b1).expm1()) * lr
+        denom = ((vd.sqrt() / c2) + eps) / c1
+        master = b.store(skip, group, i, unit, p1 + m1 / denom)
+        new = b.narrow(skip, m0, m1, md, draw) + b.narrow(skip, v0, v1, md, draw)
+        if vm1 is not None:
+            new += b.narrow(skip, vm0, vm1, md, draw)
+        outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
+    return b.xb.Op.tuple(outs).build("mpfunc_adam")
 
 
 def _rule(name: str) -> Rule:
@@ -240,7 +364,7 @@ def _rule(name: str) -> Rule:
         "reference": _reference,
         "foreach": _foreach,
         "fused": _fused,
-        "native": _native.adam_kernel,
+        "native": _native_kernel,
         "xla": _xla,
     }
     return Rule(name=name, state_type=AdamState, fields=_fields, kernels=kernels)

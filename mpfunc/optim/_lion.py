@@ -7,7 +7,7 @@ Optimization Algorithms" (Algorithm 2), over master trees::
 
 One moment instead of Adam's two. torch has no Lion, so the tests check it
 against a plain per-tensor transcription of those three lines. On the CPU the default is
-mpfunc's native pass (``_native.lion_kernel``), bit for bit ``_foreach`` on the
+mpfunc's native pass (``_native_kernel``), bit for bit ``_foreach`` on the
 strategy's fp32 values, for every master strategy and state format.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.backends import _native, _plan
+from mpfunc.backends import _native, _plan, _xla_kernels
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
@@ -88,34 +88,88 @@ def _foreach(group: Group, h: LionHyper) -> None:
         torch._foreach_lerp_(s.exp_avg, grads, 1 - h.beta2)
 
 
-def _xla(group: Group, h: LionHyper) -> None:
-    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach`` op for op;
-    see ``_adam._xla``."""
-    from mpfunc.backends import _xla_kernels
-
-    s: LionState = group.state
-    _xla_kernels.lion_xla_(
-        group.params, group.grads, s.exp_avg, s.step, lr=group.lr, beta1=h.beta1,
-        beta2=h.beta2, weight_decay=h.weight_decay, maximize=h.maximize,
-        found_inf=group.skip, grad_scale=group.scale, model_params=group.model,
-        salts=group.salts,
-    )  # fmt: skip
+def _native_kernel(group: Group, h: LionHyper) -> None:
+    """The ``"native"`` kernel: as ``_sgd._native_kernel`` (``_native.rule_step``, rule 1),
+    bit for bit ``_foreach``."""
+    _native.rule_step(group, 1, group.state.exp_avg, h.beta1, h.beta2, h)
 
 
-_RULE = Rule(
-    name="lion", state_type=LionState, fields=_fields,
-    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla,
-             "native": _native.lion_kernel},
-)  # fmt: skip
+def _zero_beta(h: LionHyper) -> bool:
+    """A zero beta is probed on its own (lerp at a weight of 1 takes another form)."""
+    return h.beta1 == 0 or h.beta2 == 0
 
 
 def _probe_cases(zero_beta: bool) -> list[tuple[LionHyper, Any]]:
+    """The (hyperparameters, lr) pairs ``_native.serves`` runs both ways once per process."""
     b1, b2 = (0.0, 0.0) if zero_beta else (0.9, 0.99)
-    return [(LionHyper(b1, b2, 0.1, False), 1e-2),
-            (LionHyper(b1, b2, 0.0, True), torch.tensor(1e-2))]  # fmt: skip
+    return [
+        (LionHyper(b1, b2, 0.1, False), 1e-2),
+        (LionHyper(b1, b2, 0.0, True), torch.tensor(1e-2)),
+    ]
 
 
-_native.register_rule(_native.lion_kernel, LionState, "exp_avg", _foreach, _probe_cases)
+def _xla(group: Group, h: LionHyper) -> None:
+    """The whole group as one XLA computation (``_build_xla``): ``_foreach`` op for op; see
+    ``_adam._xla``."""
+    moments = [("exp_avg", group.state.exp_avg)]
+    decay = h.weight_decay if h.weight_decay != 0 else None
+    _xla_kernels.step("lion", h, group, moments, decay, _build_xla)
+
+
+def _build_xla(h: LionHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one Lion step over ``group``: op for op ``_foreach`` between
+    the strategy's and state format's loads and stores (as ``_adam._build_xla``).
+
+    torch_xla lowers ``lerp`` to ``m + w * (g - m)`` and ``sign`` to XLA's sign with NaN
+    mapped to 0 (as torch's ``sign``), and both are written that way here.
+    """
+    b = _xla_kernels.Builder("mpfunc_lion")
+    f32 = torch.float32
+    units, (M,), S, L = b.fields(group, 1)
+    md = b.moment_dtype(group, 1)
+    G = b.grad_params(group)
+    lr_kind, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    decay = b.param((), f32) if (h.weight_decay != 0 and lr_kind == "float") else None
+    if h.weight_decay != 0 and decay is None:
+        decay = b.f32(1.0) - lr * b.f32(h.weight_decay)
+    skip = b.skip(skip_kind)
+    ins = list(zip(units, b.unscale(G, scaled), M, S, L))
+
+    one = b.f32(1.0)
+    w1, w2 = b.f32(1 - h.beta1), b.f32(1 - h.beta2)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for i, ((unit, g, m0, s, old_low), low) in enumerate(zip(ins, lows)):
+        if h.maximize:
+            g = -g
+        s1 = b.keep(skip, s, s + one)
+        q = b.load(group, i, unit, old_low)
+        p1 = q * decay if h.weight_decay != 0 else q
+        shape = group.shapes[i]
+        m = b.widen(m0, md, shape)
+        c = m + w1 * (g - m)
+        direction = b.sign(c)
+        master = b.store(skip, group, i, unit, p1 - direction * lr)
+        m1 = b.keep(skip, m, m + w2 * (g - m))
+        draw = (s1, group.salts[i] if group.salts else 0, shape)
+        new = [*b.narrow(skip, m0, m1, md, draw), s1]
+        outs.extend(master + new + b.round_out(skip, old_low, master[0], low))
+    return b.xb.Op.tuple(outs).build("mpfunc_lion")
+
+
+_RULE = Rule(
+    name="lion",
+    state_type=LionState,
+    fields=_fields,
+    kernels={
+        "reference": _reference,
+        "foreach": _foreach,
+        "xla": _xla,
+        "native": _native_kernel,
+    },
+)
+_native.register_rule(_native_kernel, LionState, "exp_avg", _foreach, _probe_cases, _zero_beta)
 
 
 def lion(

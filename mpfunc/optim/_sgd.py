@@ -2,14 +2,14 @@
 
 Two implementations of one step, as torch.optim.SGD defines it:
 
-* ``native``: mpfunc's own CPU kernel (``_native.sgd_kernel``): the whole mixed step in
+* ``native``: mpfunc's own CPU kernel (``_native_kernel``): the whole mixed step in
   one pass for every master strategy and state format, bit for bit ``foreach`` on the
   strategy's fp32 values. Default on the CPU where the leaf's tensors share one dense
   layout (``_plan`` decides).
 * ``foreach``: ``torch._foreach_*`` ops, grouped by (device, dtype). The specification;
   the default elsewhere.
-* ``xla``: on XLA, the whole group as one traced node (``_xla_kernels``). Default there
-  for fp32 masters.
+* ``xla``: on XLA, the whole group as one traced node (``_build_xla``, run by
+  ``backends/_xla_kernels``). Default there for fp32 masters.
 * ``reference``: the same ops one tensor at a time, to read.
 
 torch.optim starts the momentum buffer as a copy of the first gradient, a
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.backends import _native, _plan
+from mpfunc.backends import _native, _plan, _xla_kernels
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
@@ -115,30 +115,93 @@ def _foreach(group: Group, h: SGDHyper) -> None:
             torch._foreach_add_(params, grads, alpha=-lr)
 
 
-def _xla(group: Group, h: SGDHyper) -> None:
-    """The whole group as one XLA computation (``_xla_kernels``): ``_foreach`` op for op;
-    see ``_adam._xla``."""
-    from mpfunc.backends import _xla_kernels
+def _native_kernel(group: Group, h: SGDHyper) -> None:
+    """The ``"native"`` kernel: the whole group in one pass (``_native.rule_step``, rule 0),
+    bit for bit ``_foreach`` on the strategy's fp32 values (the torch path), under the same
+    contract and for the same leaves as ``_adam._native_kernel``."""
+    buf = group.state.momentum_buffer if h.momentum else None
+    _native.rule_step(group, 0, buf, h.momentum, h.dampening, h)
 
-    s: SGDState = group.state
-    _xla_kernels.sgd_xla_(
-        group.params, group.grads, s.momentum_buffer, s.step, lr=group.lr,
-        momentum=h.momentum, dampening=h.dampening, weight_decay=h.weight_decay,
-        nesterov=h.nesterov, maximize=h.maximize, found_inf=group.skip,
-        grad_scale=group.scale, model_params=group.model, salts=group.salts,
-    )  # fmt: skip
+
+def _probe_cases(variant: None) -> list[tuple[SGDHyper, Any]]:
+    """The (hyperparameters, lr) pairs ``_native.serves`` runs both ways once per process."""
+    return [
+        (SGDHyper(0.9, 0.3, 0.1, False, False), 0.05),
+        (SGDHyper(0.9, 0.0, 0.01, True, True), torch.tensor(0.05)),
+    ]
+
+
+def _xla(group: Group, h: SGDHyper) -> None:
+    """The whole group as one XLA computation (``_build_xla``): ``_foreach`` op for op; see
+    ``_adam._xla``."""
+    moments = []
+    if h.momentum != 0:
+        buf = group.state.momentum_buffer
+        if buf is None:
+            raise ValueError(
+                "xla::mpfunc_sgd: momentum_buffer: expected a list of tensors, got None"
+            )
+        moments.append(("momentum_buffer", buf))
+    _xla_kernels.step("sgd", h, group, moments, None, _build_xla)
+
+
+def _build_xla(h: SGDHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]) -> Any:
+    """The computation of one SGD step over ``group``: op for op ``_foreach`` between
+    the strategy's and state format's loads and stores (as ``_adam._build_xla``).
+
+    The buffer starts at zero and the first step is told apart on the device: the
+    gradient's coefficient is ``1 - dampening * min(step, 1)``.
+    """
+    b = _xla_kernels.Builder("mpfunc_sgd")
+    f32 = torch.float32
+    n_moments = 1 if h.momentum != 0 else 0
+    units, moments, S, L = b.fields(group, n_moments)
+    md = b.moment_dtype(group, n_moments)
+    B = moments[0] if h.momentum != 0 else [None] * len(S)
+    G = b.grad_params(group)
+    _, skip_kind, scaled = shared
+    lr = b.param((), f32)
+    skip = b.skip(skip_kind)
+    ins = list(zip(units, b.unscale(G, scaled), B, S, L))
+
+    one = b.f32(1.0)
+    mom, wd, neg_damp = b.f32(h.momentum), b.f32(h.weight_decay), b.f32(-h.dampening)
+    outs = []
+    lows = group.low_dtypes or (None,) * len(ins)
+    for i, ((unit, g, buf0, s, old_low), low) in enumerate(zip(ins, lows)):
+        if h.maximize:
+            g = -g
+        q = b.load(group, i, unit, old_low)
+        if h.weight_decay != 0:
+            g = g + q * wd
+        new = []
+        s1 = b.keep(skip, s, s + one)
+        if buf0 is not None:
+            shape = group.shapes[i]
+            draw = (s1, group.salts[i] if group.salts else 0, shape)
+            buf = b.widen(buf0, md, shape)
+            # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
+            coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
+            buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
+            g = g + buf1 * mom if h.nesterov else buf1
+            new += b.narrow(skip, buf0, buf1, md, draw)
+        master = b.store(skip, group, i, unit, q - g * lr)
+        outs.extend(master + new + [s1] + b.round_out(skip, old_low, master[0], low))
+    return b.xb.Op.tuple(outs).build("mpfunc_sgd")
 
 
 _RULE = Rule(
-    name="sgd", state_type=SGDState, fields=_fields,
-    kernels={"reference": _reference, "foreach": _foreach, "xla": _xla,
-             "native": _native.sgd_kernel},
-)  # fmt: skip
-_native.register_rule(
-    _native.sgd_kernel, SGDState, "momentum_buffer", _foreach,
-    lambda zero_beta: [(SGDHyper(0.9, 0.3, 0.1, False, False), 0.05),
-                       (SGDHyper(0.9, 0.0, 0.01, True, True), torch.tensor(0.05))],
-)  # fmt: skip
+    name="sgd",
+    state_type=SGDState,
+    fields=_fields,
+    kernels={
+        "reference": _reference,
+        "foreach": _foreach,
+        "xla": _xla,
+        "native": _native_kernel,
+    },
+)
+_native.register_rule(_native_kernel, SGDState, "momentum_buffer", _foreach, _probe_cases)
 
 
 def sgd(

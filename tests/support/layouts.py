@@ -27,13 +27,16 @@ def randn(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor
 PARAM_LAYOUTS = [
     Layout("contiguous", (3, 5), lambda g, d: randn(g, d, 3, 5)),
     Layout("transposed", (3, 5), lambda g, d: randn(g, d, 5, 3).t()),
-    Layout("channels_last", (2, 3, 2, 2),
-           lambda g, d: randn(g, d, 2, 3, 2, 2).to(memory_format=torch.channels_last)),
+    Layout(
+        "channels_last",
+        (2, 3, 2, 2),
+        lambda g, d: randn(g, d, 2, 3, 2, 2).to(memory_format=torch.channels_last),
+    ),
     Layout("sliced", (4, 3), lambda g, d: randn(g, d, 4, 6)[:, ::2]),
     Layout("offset", (5,), lambda g, d: randn(g, d, 10)[3:8]),
     Layout("scalar", (), lambda g, d: randn(g, d)),
     Layout("size1", (1, 1, 1, 1), lambda g, d: randn(g, d, 1, 1, 1, 1)),
-]  # fmt: skip
+]
 
 
 def grad_like(kind: str, shape: tuple[int, ...], gen: torch.Generator, scale: float) -> Any:
@@ -52,19 +55,43 @@ def grad_like(kind: str, shape: tuple[int, ...], gen: torch.Generator, scale: fl
 GRAD_LAYOUTS = ["contiguous", "transposed", "expanded", "channels_last"]
 
 OPTS: dict[str, tuple[Callable[..., mpfunc.Optimizer], Any, dict[str, Any], list[str]]] = {
-    "sgd": (mpfunc.sgd, torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01),
-            ["auto", "foreach", "reference"]),
-    "sgd-nesterov": (mpfunc.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True),
-                     ["auto", "foreach", "reference"]),
-    "adam": (mpfunc.adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1),
-             ["auto", "fused", "foreach", "reference"]),
-    "adamw": (mpfunc.adamw, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1),
-              ["auto", "fused", "foreach", "reference"]),
-    "adamw-amsgrad": (mpfunc.adamw, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True),
-                      ["auto", "fused", "foreach", "reference"]),
-    "lion": (mpfunc.lion, None, dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)),
-             ["auto", "foreach", "reference"]),
-}  # fmt: skip
+    "sgd": (
+        mpfunc.sgd,
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+        ["auto", "foreach", "reference"],
+    ),
+    "sgd-nesterov": (
+        mpfunc.sgd,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, nesterov=True),
+        ["auto", "foreach", "reference"],
+    ),
+    "adam": (
+        mpfunc.adam,
+        torch.optim.Adam,
+        dict(lr=1e-2, weight_decay=0.1),
+        ["auto", "fused", "foreach", "reference"],
+    ),
+    "adamw": (
+        mpfunc.adamw,
+        torch.optim.AdamW,
+        dict(lr=1e-2, weight_decay=0.1),
+        ["auto", "fused", "foreach", "reference"],
+    ),
+    "adamw-amsgrad": (
+        mpfunc.adamw,
+        torch.optim.AdamW,
+        dict(lr=1e-2, amsgrad=True),
+        ["auto", "fused", "foreach", "reference"],
+    ),
+    "lion": (
+        mpfunc.lion,
+        None,
+        dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)),
+        ["auto", "foreach", "reference"],
+    ),
+}
 
 
 class LionReference:

@@ -67,15 +67,22 @@ class MyModel(torch.nn.Module):
 
 def _loader() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(BATCH, IN, generator=gen), torch.randint(0, CLASSES, (BATCH,),
-             generator=gen)) for _ in range(3)]  # fmt: skip
+    return [
+        (torch.randn(BATCH, IN, generator=gen), torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(3)
+    ]
 
 
 def _reader() -> dict[str, Any]:
     import mpfunc
 
-    return {"torch": torch, "mpfunc": mpfunc, "MyModel": MyModel, "loader": _loader(),
-            "loss_fn": torch.nn.functional.cross_entropy}  # fmt: skip
+    return {
+        "torch": torch,
+        "mpfunc": mpfunc,
+        "MyModel": MyModel,
+        "loader": _loader(),
+        "loss_fn": torch.nn.functional.cross_entropy,
+    }
 
 
 def _context() -> dict[str, Any]:
@@ -110,10 +117,8 @@ def _context() -> dict[str, Any]:
     }
 
 
-CONTEXT = sorted([
-    "device", "model", "params", "masters", "opt", "state", "lr", "scaler", "g32_buf", "loss",
-    "grads", "fp32_model", "decay", "no_decay",
-])  # fmt: skip
+CONTEXT = ["decay", "device", "fp32_model", "g32_buf", "grads", "loss", "lr", "masters"]
+CONTEXT += ["model", "no_decay", "opt", "params", "scaler", "state"]  # (sorted)
 
 
 def _uses(marker: str) -> list[str]:

@@ -27,9 +27,12 @@ STEPS = 4
 def make_model(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(),
+        torch.nn.Linear(8, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 16),
+        torch.nn.Tanh(),
         torch.nn.Linear(16, 4),
-    ).to(dtype)  # fmt: skip
+    ).to(dtype)
 
 
 def batch(
@@ -228,8 +231,9 @@ def _mismatch_cases(rank: int, world: int) -> dict[str, Any]:
 
     def other_reduce_dtype() -> Any:
         rd = None if r == 0 else torch.float32
-        return mpfunc.all_reduce_grads({"w": _ones(4, rank=r, dtype=torch.bfloat16)},
-                                       reduce_dtype=rd)  # fmt: skip
+        return mpfunc.all_reduce_grads(
+            {"w": _ones(4, rank=r, dtype=torch.bfloat16)}, reduce_dtype=rd
+        )
 
     def other_buckets() -> Any:  # other bucket sizes cut the wire into other pieces
         g = {"a": _ones(4, rank=r), "b": _ones(4, rank=r)}
@@ -309,13 +313,29 @@ def _mismatch_cases(rank: int, world: int) -> dict[str, Any]:
         return mpfunc.all_reduce_grads({"a": _ones(4, rank=r), "b": _ones(2, rank=r)})
 
     cases = [
-        same_size_other_shapes, same_size_other_paths, transposed_shape, other_sizes,
-        other_dtypes, none_on_one_rank, other_op, other_reduce_dtype, other_buckets,
-        inplace_untouched, owners_other_plans, owners_out_of_world, owners_other_shapes,
-        broadcast_out_of_world, broadcast_negative_owner, broadcast_other_plans,
-        broadcast_other_dtypes, broadcast_no_owner, expanded_inplace, sparse_grad,
-        verify_other_shapes, matching_after_errors,
-    ]  # fmt: skip
+        same_size_other_shapes,
+        same_size_other_paths,
+        transposed_shape,
+        other_sizes,
+        other_dtypes,
+        none_on_one_rank,
+        other_op,
+        other_reduce_dtype,
+        other_buckets,
+        inplace_untouched,
+        owners_other_plans,
+        owners_out_of_world,
+        owners_other_shapes,
+        broadcast_out_of_world,
+        broadcast_negative_owner,
+        broadcast_other_plans,
+        broadcast_other_dtypes,
+        broadcast_no_owner,
+        expanded_inplace,
+        sparse_grad,
+        verify_other_shapes,
+        matching_after_errors,
+    ]
     only = os.environ.get("MPFUNC_CASES")  # a comma-separated subset, for debugging
     out: dict[str, Any] = {}
     for case in cases:
@@ -354,25 +374,38 @@ def _steady_state(rank: int, world: int) -> dict[str, Any]:
     try:
         for step in range(3):
             # A fresh dict of fresh tensors every step, as a training loop makes them.
-            run(f"all_reduce_{step}", lambda: mpfunc.all_reduce_grads(
-                {"w": _ones(4, 3, rank=rank), "b": _ones(3, rank=rank)}))  # fmt: skip
-        run("other_op", lambda: mpfunc.all_reduce_grads({"w": _ones(4, 3), "b": _ones(3)},
-                                                        op="sum"))  # fmt: skip
-        run("other_op_again", lambda: mpfunc.all_reduce_grads(
-            {"w": _ones(4, 3), "b": _ones(3)}, op="sum"))  # fmt: skip
+            run(
+                f"all_reduce_{step}",
+                lambda: mpfunc.all_reduce_grads(
+                    {"w": _ones(4, 3, rank=rank), "b": _ones(3, rank=rank)}
+                ),
+            )
+        run(
+            "other_op", lambda: mpfunc.all_reduce_grads({"w": _ones(4, 3), "b": _ones(3)}, op="sum")
+        )
+        run(
+            "other_op_again",
+            lambda: mpfunc.all_reduce_grads({"w": _ones(4, 3), "b": _ones(3)}, op="sum"),
+        )
         run("other_shape", lambda: mpfunc.all_reduce_grads({"w": _ones(3, 4), "b": _ones(3)}))
         run("inplace", lambda: mpfunc.all_reduce_grads_({"w": _ones(4, 3), "b": _ones(3)}))
         run("inplace_again", lambda: mpfunc.all_reduce_grads_({"w": _ones(4, 3), "b": _ones(3)}))
         plan = {"w": 0, "b": 1}
         for step in range(2):
-            run(f"owners_{step}", lambda: mpfunc.reduce_grads_to_owners(
-                {"w": _ones(4, 3), "b": _ones(3)}, plan))  # fmt: skip
-            run(f"broadcast_{step}", lambda: mpfunc.broadcast_params_(
-                {"w": _ones(4, 3), "b": _ones(3)}, plan))  # fmt: skip
+            run(
+                f"owners_{step}",
+                lambda: mpfunc.reduce_grads_to_owners({"w": _ones(4, 3), "b": _ones(3)}, plan),
+            )
+            run(
+                f"broadcast_{step}",
+                lambda: mpfunc.broadcast_params_({"w": _ones(4, 3), "b": _ones(3)}, plan),
+            )
         sub = dist.new_group(list(range(world)))
         for step in range(2):
-            run(f"subgroup_{step}", lambda: mpfunc.all_reduce_grads(
-                {"w": _ones(4, 3), "b": _ones(3)}, group=sub))  # fmt: skip
+            run(
+                f"subgroup_{step}",
+                lambda: mpfunc.all_reduce_grads({"w": _ones(4, 3), "b": _ones(3)}, group=sub),
+            )
         run("verify", lambda: mpfunc.verify_replicas({"w": _ones(4, 3)}))
         run("verify_again", lambda: mpfunc.verify_replicas({"w": _ones(4, 3)}))
     finally:

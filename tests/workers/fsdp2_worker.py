@@ -34,8 +34,11 @@ def check_transforms(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
     # Shapes that split unevenly (5 rows over 2 ranks) and a 0-d leaf (replicated).
-    full_p = {"a": torch.randn(6, 3, generator=gen), "b": torch.randn(5, generator=gen),
-              "c": torch.randn(3, 4, generator=gen).t()}  # fmt: skip
+    full_p = {
+        "a": torch.randn(6, 3, generator=gen),
+        "b": torch.randn(5, generator=gen),
+        "c": torch.randn(3, 4, generator=gen).t(),
+    }
     full_p = {n: t.to(torch.bfloat16) for n, t in full_p.items()}
     full_g = {n: torch.randn(t.shape, generator=gen).to(torch.bfloat16) for n, t in full_p.items()}
 
@@ -81,8 +84,12 @@ def check_transforms(rank: int, world: int) -> None:
     # Optimizer steps on the shards equal the step on the full tensors.
     full_m = mpfunc.init_master(full_p)
     full_g32 = mpfunc.grads_to_fp32(full_g, scale=4.0)
-    for opt in (mpfunc.adamw(lr=1e-2, weight_decay=0.1), mpfunc.adam(lr=torch.tensor(1e-2),
-                impl="foreach"), mpfunc.sgd(lr=0.1, momentum=0.9), mpfunc.lion()):  # fmt: skip
+    for opt in (
+        mpfunc.adamw(lr=1e-2, weight_decay=0.1),
+        mpfunc.adam(lr=torch.tensor(1e-2), impl="foreach"),
+        mpfunc.sgd(lr=0.1, momentum=0.9),
+        mpfunc.lion(),
+    ):
         m, s = mpfunc.init_master(params), opt.init(masters)
         fm, fs = mpfunc.init_master(full_p), opt.init(full_m)
         for _ in range(3):
@@ -103,9 +110,11 @@ def check_transforms(rank: int, world: int) -> None:
     for n in full_p:
         _close(clipped[n].full_tensor(), full_clipped[n], f"clip {n}")
     mixed = {"sharded": g32["a"], "plain": torch.ones(3)}  # a tree of both kinds
-    _close(mpfunc.clip_by_global_norm(mixed, 1.0)[1],
-           torch.linalg.vector_norm(torch.cat([full_g32["a"].flatten(), torch.ones(3)])),
-           "mixed norm")  # fmt: skip
+    _close(
+        mpfunc.clip_by_global_norm(mixed, 1.0)[1],
+        torch.linalg.vector_norm(torch.cat([full_g32["a"].flatten(), torch.ones(3)])),
+        "mixed norm",
+    )
     bad = shard(full_g)
     if rank == world - 1:
         bad["b"].to_local().fill_(float("inf"))  # one rank's shard only

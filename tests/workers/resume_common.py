@@ -59,8 +59,12 @@ class Run:
         )
 
     def tree(self) -> dict[str, Any]:
-        return {"masters": self.masters, "opt": self.state, "scale": self.scaler,
-                "params": self.params}  # fmt: skip
+        return {
+            "masters": self.masters,
+            "opt": self.state,
+            "scale": self.scaler,
+            "params": self.params,
+        }
 
     def set_tree(self, tree: dict[str, Any]) -> None:
         self.masters, self.state, self.scaler = tree["masters"], tree["opt"], tree["scale"]

@@ -246,8 +246,12 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
         check_state(run, when, state, masters_sharded, bad)
         run.check(f"{when}: grad buffers", gbuf, masters_sharded, bad)
     counts: dict[str, int] = {}
-    names = ("CompileTime", "ExecuteReplicatedTime", "TransferFromDeviceTime",
-             "TransferToDeviceTime")  # fmt: skip
+    names = (
+        "CompileTime",
+        "ExecuteReplicatedTime",
+        "TransferFromDeviceTime",
+        "TransferToDeviceTime",
+    )
     for k, (x, y) in enumerate(data):
         if k == WARMUP:
             counts = {n: run.count(n) for n in names}
