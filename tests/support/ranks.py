@@ -26,7 +26,13 @@ def launch(
     store = out / f"store-{scenario}-{world}"
     if store.exists():
         store.unlink()
-    full_env = dict(os.environ, MPFUNC_STORE=str(store), OMP_NUM_THREADS="1", **env)
+    # The ranks import the mpfunc of this checkout, not whatever an editable install of the
+    # environment points at (a git worktree sharing another checkout's venv).
+    root = str(WORKER.parents[2])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    full_env = dict(
+        os.environ, MPFUNC_STORE=str(store), OMP_NUM_THREADS="1", PYTHONPATH=path, **env
+    )
     # Each rank writes its output to files, never to a pipe that nobody reads while the
     # parent waits (a full pipe would block the rank and look like a hang).
     logs = [
