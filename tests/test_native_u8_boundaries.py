@@ -75,7 +75,7 @@ def _blocks(payload: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full((rows, 1), SCALE), body], dim=1).reshape(-1)
 
 
-def _step(g: torch.Tensor, strategy: str, impl: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _step(g: torch.Tensor, strategy: str, impl: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     drawn: list[torch.Tensor] = []
     real = _rng.uniform_list
 
@@ -138,7 +138,12 @@ def test_8bit_codes_on_every_boundary_equal_the_torch_path(
     want, _ = _step(g, strategy, "foreach", monkeypatch)
     ran: list[int] = []
     real = _native._composed
-    monkeypatch.setattr(_native, "_composed", lambda group, h: (ran.append(1), real(group, h)))
+
+    def spy(group: Any, h: Any) -> None:
+        ran.append(1)
+        real(group, h)
+
+    monkeypatch.setattr(_native, "_composed", spy)
     got, _ = _step(g, strategy, "auto", monkeypatch)
     assert ran, "the native pass did not run"
     assert_trees_bits_equal(got, want, nan_payload=False)
