@@ -1360,11 +1360,16 @@ MPF_INLINE iVec fmix16(iVec x) {
   x = _mm512_mullo_epi32(x, i32(0xC2B2AE35u));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
+// (first + j) * golden + key, mod 2**32, is first * golden + key (one scalar product per
+// 16 lanes) plus the constant j * golden: one add where a vector multiply was.
 MPF_INLINE iVec draw16(u32 key, u32 first) {
-  const iVec idx = _mm512_add_epi32(
-      i32(first), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  constexpr u32 G = kGolden;
+  const iVec jg = _mm512_setr_epi32(
+      int(0 * G), int(1 * G), int(2 * G), int(3 * G), int(4 * G), int(5 * G), int(6 * G),
+      int(7 * G), int(8 * G), int(9 * G), int(10 * G), int(11 * G), int(12 * G), int(13 * G),
+      int(14 * G), int(15 * G));
   const iVec k = i32(key);
-  return fmix16(_mm512_xor_si512(fmix16(_mm512_add_epi32(_mm512_mullo_epi32(idx, i32(kGolden)), k)), k));
+  return fmix16(_mm512_xor_si512(fmix16(_mm512_add_epi32(i32(first * G + key), jg)), k));
 }
 
 // The "stochastic" store on 16 lanes: 16 random bits added below the bf16 cut, truncated;
@@ -1457,12 +1462,18 @@ struct FU8 {
     return _mm512_maskz_mov_ps(
         _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(kTiny), _CMP_NLT_UQ), y);
   }
-  template <bool kSigned>
+  template <bool kSigned, bool kFlush>
   static MPF_INLINE __m512 value(iVec c, __m512 s) {
     __m512 y = _mm512_mul_ps(table<kSigned>(c), s);
     if constexpr (!kSigned) y = _mm512_mul_ps(y, y);
-    return flush16(y);
+    return kFlush ? flush16(y) : y;
   }
+  // Scales from which no decoded value of the block can be subnormal, so decode's flush
+  // changes nothing: a nonzero code's table entry is at least 1/253 > 2**-8 (signed) or
+  // 1/507 > 2**-9 (unsigned, then squared), and code 0 decodes to 0. (A NaN or negative
+  // scale, never written but readable from a file, takes the flush.)
+  static constexpr float kNoFlushS = 0x1.0p-117f;  // 2**-8 * 2**-117 > 2**-126
+  static constexpr float kNoFlushU = 0x1.0p-53f;   // (2**-9 * 2**-53)**2 > 2**-126
 
   static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
     const float f = BF16::load(L.scale[k][i / kQBlock]);
@@ -1470,13 +1481,23 @@ struct FU8 {
     if (k == 0) {
       codes<true>(static_cast<const std::int8_t*>(L.data[k]) + i, c0, c1);
       const __m512 s = _mm512_set1_ps(f);
-      a = fVec(value<true>(c0, s));
-      b = fVec(value<true>(c1, s));
+      if (f >= kNoFlushS) {
+        a = fVec(value<true, false>(c0, s));
+        b = fVec(value<true, false>(c1, s));
+      } else {
+        a = fVec(value<true, true>(c0, s));
+        b = fVec(value<true, true>(c1, s));
+      }
     } else {
       codes<false>(static_cast<const std::uint8_t*>(L.data[k]) + i, c0, c1);
       const __m512 s = _mm512_set1_ps(std::max(f, kTiny));  // decode's clamp
-      a = fVec(value<false>(c0, s));
-      b = fVec(value<false>(c1, s));
+      if (f >= kNoFlushU) {
+        a = fVec(value<false, false>(c0, s));
+        b = fVec(value<false, false>(c1, s));
+      } else {
+        a = fVec(value<false, true>(c0, s));
+        b = fVec(value<false, true>(c1, s));
+      }
     }
   }
 
@@ -1489,31 +1510,55 @@ struct FU8 {
     __mmask16 ok[2], keep[2];
     __m512 v[2];
     for (int h = 0; h < 2; ++h) {
-      // finite: x - x is 0 for finite x, NaN for inf and NaN.
-      ok[h] = _mm512_cmp_ps_mask(_mm512_sub_ps(x[h], x[h]), zero, _CMP_EQ_OQ);
+      // finite: not a NaN (quiet 0x01, signalling 0x80) nor an infinity (0x08, 0x10).
+      ok[h] = ~_mm512_fpclass_ps_mask(x[h], 0x99);
       if constexpr (!kSigned) ok[h] &= _mm512_cmp_ps_mask(x[h], _mm512_set1_ps(-kTiny), _CMP_GT_OQ);
       keep[h] = ok[h] & _mm512_cmp_ps_mask(_mm512_abs_ps(x[h]), tiny, _CMP_GE_OQ);
       v[h] = _mm512_maskz_mov_ps(keep[h], x[h]);
       if constexpr (!kSigned) v[h] = _mm512_sqrt_ps(v[h]);
     }
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    const u16 sc = BF16::store(std::min(amax, kBF16Max));
-    *scale = sc;
-    const float sf = BF16::load(sc);
-    const __m512 dd = _mm512_set1_ps(sf > 0.0f ? sf : 1.0f);
+    // The block's scale in every lane, without leaving the registers: the largest
+    // magnitude by a butterfly of maxima (the values are finite and non-negative, so the
+    // order does not matter), clamped, and rounded to bf16 as BF16::store rounds a finite
+    // value (ties to even, on the bits); its bf16 value is the rounded bits' top half.
+    __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
+    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
+    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(1, 0, 3, 2)));
+    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(2, 3, 0, 1)));
+    const iVec mb = _mm512_castps_si512(_mm512_min_ps(mx, _mm512_set1_ps(kBF16Max)));
+    const iVec rb = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(mb, i32(0x7FFFu)),
+                         _mm512_and_si512(_mm512_srli_epi32(mb, 16), i32(1))),
+        i32(0xFFFF0000u));
+    *scale = u16(u32(_mm_cvtsi128_si32(_mm512_castsi512_si128(rb))) >> 16);
+    const __m512 sf = _mm512_castsi512_ps(rb);
     const __m512 one = _mm512_set1_ps(1.0f);
+    // An all-zero block has scale 0; dividing by 1 instead keeps its codes 0.
+    const __m512 dd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sf, zero, _CMP_GT_OQ), one, sf);
+    // Three of encode's operations are left out here, each provably without effect on a
+    // code (tests/test_native_u8_boundaries.py puts values on every decision boundary):
+    // * the flush of y = v / dd: a y below 2**-126 gives t below 2**-125, whose codes
+    //   (127 t and floor(254 t)) are 0 flushed or not, and whose square is flushed below;
+    // * the flush of the square y * y: it is below 2**-126 only where lo = 0 (so a = 0)
+    //   and keep is set (else v = 0), where a positive second moment is raised to code 1
+    //   whether or not it rounded up;
+    // * the signed clamp to [-127, 127] and the unsigned one from below (t >= 0 there):
+    //   the scale is the block's largest magnitude rounded to bf16 (relative error
+    //   <= 2**-9) or bf16's largest value (fp32's largest is 1.0039 times it), so |y| <=
+    //   1.0039, |t| = 2|y| / (1 + |y|) <= 1.002 and |127 t| <= 127.25 rounds into range.
     for (int h = 0; h < 2; ++h) {
-      const __m512 yj = flush16(_mm512_div_ps(v[h], dd));
-      const __m512 t = _mm512_div_ps(_mm512_add_ps(yj, yj), _mm512_add_ps(_mm512_abs_ps(yj), one));
+      const __m512 yj = _mm512_div_ps(v[h], dd);
       iVec c;
       if constexpr (kSigned) {
+        const __m512 t = _mm512_div_ps(_mm512_add_ps(yj, yj), _mm512_add_ps(_mm512_abs_ps(yj), one));
         const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLevels)),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 cl = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-kLevels)),
-                                        _mm512_set1_ps(kLevels));
-        c = _mm512_mask_mov_epi32(_mm512_cvttps_epi32(cl), ~ok[h], i32(u32(-128)));
+        c = _mm512_mask_mov_epi32(_mm512_cvttps_epi32(r), ~ok[h], i32(u32(-128)));
       } else {
-        const __m512 xx = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLevels)), zero),
+        // (y >= 0: |y| is y.)
+        const __m512 t = _mm512_div_ps(_mm512_add_ps(yj, yj), _mm512_add_ps(yj, one));
+        const __m512 xx = _mm512_min_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLevels)),
                                         _mm512_set1_ps(kLevels - 1.0f));
         const iVec lo = _mm512_cvttps_epi32(
             _mm512_roundscale_ps(xx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
@@ -1521,7 +1566,7 @@ struct FU8 {
         const __m512 l1 = _mm512_add_ps(lf, one);
         __m512 a = _mm512_div_ps(lf, _mm512_sub_ps(_mm512_set1_ps(508.0f), lf));
         __m512 b = _mm512_div_ps(l1, _mm512_sub_ps(_mm512_set1_ps(508.0f), l1));
-        const __m512 val = flush16(_mm512_mul_ps(yj, yj));
+        const __m512 val = _mm512_mul_ps(yj, yj);
         a = _mm512_mul_ps(a, a);
         b = _mm512_mul_ps(b, b);
         const iVec bits = draw16(key, u32(first + 16 * h));
