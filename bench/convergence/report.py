@@ -102,7 +102,8 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 10's (and issue 22's 4-bit) targets, each measured: bytes per param, and the gap or bit-identity."""
+    """Issue 10's targets (and issue 22's for 4-bit moments), each measured: bytes per
+    param, and the gap or bit-identity."""
     summary = {e["row"]: e for e in result["summary"]}
     out = []
     for row, max_bytes, max_gap in TARGETS:
