@@ -39,7 +39,8 @@ and the row-major element index in wrapping s32 arithmetic, the truncation round
 nearest even, their old bits kept where skipped) and 8-bit moments (``_quantize``'s
 decode by table gathers and its blockwise encode, the second moment rounded
 stochastically with ``_state_format``'s draws keyed on the step count and the leaf's
-salt). Adam/AdamW on every such pair give the foreach path's bits
+salt) and 4-bit moments (``_quantize4``'s ``decode_ops``/``encode_ops``: the same rules,
+codes packed two a byte). Adam/AdamW on every such pair give the foreach path's bits
 (tests/test_xla_kernels.py); the one caveat is the fused multiply-add above, which shows
 in a remainder's low half as it does in an fp32 master.
 

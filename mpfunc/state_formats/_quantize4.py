@@ -74,8 +74,9 @@ Subnormal inputs and results read as zero on every device, because XLA:CPU flush
 and the CPU does not. A leaf smaller than one block is refused (``ValueError`` pointing at
 ``partition``), as the 8-bit format refuses it.
 
-Wired as the state format ``state_dtype=torch.uint4`` (``_uint4``), on the torch path
-only: the native pass and the XLA node do not carry this codec yet. See
+Wired as the state format ``state_dtype=torch.uint4`` (``_uint4``): the torch path, and
+on XLA the one-node kernels through ``decode_ops``/``encode_ops`` below (the same bits);
+the native pass does not carry this codec yet. See
 docs/design.md#the-8-bit-moment-codec for the rules shared with the 8-bit format.
 """
 
