@@ -26,7 +26,7 @@ SMOKE_ROWS = [r for r in DEFAULT_ROWS if not r.startswith("peer/torchao-")]
 def test_rows_table() -> None:
     # Every strategy crossed with every state dtype, plus the torch.optim baselines.
     mp = [r for r in ROWS.values() if r.kind == "mpfunc"]
-    assert len(mp) == 15 and len({(r.strategy, r.state_dtype) for r in mp}) == 15
+    assert len(mp) == 20 and len({(r.strategy, r.state_dtype) for r in mp}) == 20
     assert {REFERENCE, "bf16", IDENTICAL_TO} <= set(DEFAULT_ROWS)
     assert all(row in DEFAULT_ROWS for row, _, _ in TARGETS)
     # Beside them: torch's fused AdamW, the step inside backward, and every peer.

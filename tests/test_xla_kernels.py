@@ -31,6 +31,7 @@ from mpfunc.optim import _adam, _lion, _sgd
 pytestmark = pytest.mark.xla
 
 K = pytest.importorskip("mpfunc.backends._xla_kernels")
+U4: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 
 # Each optimizer's "xla" kernel on the lists of one group, as ``_plan`` hands them over.
 
@@ -975,9 +976,12 @@ PAIRS = [
     *((s, d) for s in ("none", "kahan", "remainder", "stochastic") for d in (None, torch.bfloat16)),
     ("fp32", torch.bfloat16),
     *((s, torch.uint8) for s in ("fp32", "kahan", "stochastic")),
+    *((s, U4) for s in ("fp32", "none", "kahan", "remainder", "stochastic")),
 ]
-# 8-bit moments need a whole 32-element block per leaf: one more layout for them.
-Q_LAYOUT = ((40,), (4, 16))
+# 8-bit and 4-bit moments need a whole 32-element block per leaf: one more layout for them
+# (an odd element count: a partial block and, at 4 bits, a half-filled last byte).
+Q_LAYOUT = ((41,), (4, 16))
+QUANTIZED = (torch.uint8, U4)
 
 
 def _pair_ids(pairs: list[tuple[str, Any]]) -> list[str]:
@@ -1005,7 +1009,7 @@ def _pair_steps(
     skipped, a tensor lr on the third; "fp32" masters write bf16 model params): every
     tensor afterwards (masters' tensors, state, model params), the kernels the plan chose,
     and the IR of the last step's outputs before its sync."""
-    layout = Q_LAYOUT if state_dtype == torch.uint8 else LAYOUTS[1]
+    layout = Q_LAYOUT if state_dtype in QUANTIZED else LAYOUTS[1]
     gen = torch.Generator().manual_seed(11)
     low = torch.float32 if strategy == "fp32" else torch.bfloat16
     params = {
@@ -1110,6 +1114,9 @@ def test_pair_agrees_with_cpu(xla_device: torch.device, strategy: str, state_dty
     for i, (a, b) in enumerate(zip(xla, cpu)):
         if a.dtype == torch.int16:  # a remainder: the fp32 master it makes with its param
             a, b = _remainder.join(xla[i - 1], a), _remainder.join(cpu[i - 1], b)
+        if a.dtype in (torch.int8, torch.uint8) and state_dtype == U4:
+            assert torch.equal(a, b), i  # 4-bit packed codes: the CPU's bytes (below)
+            continue
         if a.dtype in (torch.int8, torch.uint8):  # 8-bit codes: one code step at most
             assert int((a.int() - b.int()).abs().max()) <= 1, i
             continue
@@ -1119,6 +1126,80 @@ def test_pair_agrees_with_cpu(xla_device: torch.device, strategy: str, state_dty
         tol = RTOL if a.dtype == torch.float32 else 2.0**-7
         err = float((a.double() - b.double()).abs().max())
         assert err <= tol * float(b.double().abs().max()), (i, a.dtype, err)
+
+
+# 4-bit moments with the other optimizers (AdamW with amsgrad: PAIRS above).
+Q4_OPT_PAIRS = [
+    (n, s) for n in ("adam", "sgd", "lion") for s in ("fp32", "remainder", "stochastic")
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy"), Q4_OPT_PAIRS, ids=[f"{n}-{s}" for n, s in Q4_OPT_PAIRS]
+)
+def test_4bit_pair_is_one_node_with_the_cpu_bits(
+    xla_device: torch.device, name: str, strategy: str
+) -> None:
+    """4-bit moments (``Q4State``) with Adam (L2 decay, maximize), SGD with momentum and
+    Lion: ``auto`` takes the one-node kernel on XLA, and after three steps (bf16 grads, a
+    loss scale, a skipped step, a tensor lr) its packed codes, block scales, step counts,
+    RNG keys and bf16 params are the CPU's (torch path) bit for bit; fp32 masters, and the
+    low half a remainder keeps, within the bound (XLA:CPU contracts ``a * b + c`` into one
+    rounding, as for every pair). Measured: every code and scale equal for every strategy
+    and optimizer on this layout (the 4-bit codec rounds the fp32 moments the node computes
+    as the CPU does; a contraction moving a moment across a code boundary would show here)."""
+    from mpfunc.strategies import _remainder
+
+    xla, kernels, ir = _pair_steps(name, strategy, U4, "auto", xla_device)
+    cpu, _, _ = _pair_steps(name, strategy, U4, "auto", torch.device("cpu"))
+    assert kernels == {"_xla"}
+    ops = [x for x in ir.splitlines() if " = " in x and "xla::device_data" not in x]
+    assert len(ops) == 1 and f"xla::mpfunc_{name}" in ops[0], ir
+    n_codes = 0
+    for i, (a, b) in enumerate(zip(xla, cpu)):
+        if a.dtype == torch.int16:
+            a, b = _remainder.join(xla[i - 1], a), _remainder.join(cpu[i - 1], b)
+        if a.dtype == torch.float32 and a.dim() > 0:
+            err = float((a.double() - b.double()).abs().max())
+            assert err <= RTOL * float(b.double().abs().max()), (i, err)
+            continue
+        n_codes += a.dtype in (torch.int8, torch.uint8)
+        assert torch.equal(_bits(a), _bits(b)), (i, a.dtype)
+    assert n_codes >= len(Q_LAYOUT)
+
+
+def test_4bit_step_is_one_graph_without_recompiles(xla_device: torch.device) -> None:
+    """``"stochastic"`` masters with 4-bit AdamW moments through ``apply_update_``: after a
+    warm-up, no compile, one execution per step, nothing read back, no aten:: fallback."""
+    import torch_xla.core.xla_model as xm
+
+    dev = xla_device
+    gen = torch.Generator().manual_seed(5)
+    params = {
+        f"p{i}": torch.randn(s, generator=gen).bfloat16().to(dev) for i, s in enumerate(Q_LAYOUT)
+    }
+    masters = mpfunc.init_master(params, strategy="stochastic", seed=1)
+    opt = mpfunc.adamw(lr=1e-3, weight_decay=0.1, state_dtype=U4)
+    state = opt.init(masters)
+    grads = {k: torch.randn(v.shape, generator=gen).bfloat16().to(dev) for k, v in params.items()}
+    skip = torch.tensor(False, device=dev)
+    _sync()
+    met = _metrics()
+
+    def step() -> None:
+        mpfunc.apply_update_(masters, grads, state, opt, skip=skip)
+        _sync()
+        xm.wait_device_ops()
+
+    for _ in range(2):
+        step()
+    met.clear_all()
+    for _ in range(4):
+        step()
+    assert _count("CompileTime") == 0
+    assert _count("ExecuteTime") == 4
+    assert _count("TransferFromDeviceTime") == 0
+    assert [n for n in met.counter_names() if n.startswith("aten::")] == []
 
 
 def test_8bit_scale_above_bf16s_largest_is_clamped_in_the_node(xla_device: torch.device) -> None:

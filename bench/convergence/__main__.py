@@ -11,7 +11,7 @@ the same batches, at a learning rate 60x smaller (``lr``, 5e-5). The rows
 - ``bf16``: pure bf16 model and state, ``torch.optim.AdamW``;
 - ``<strategy>/<state>``: bf16 model trained through mpfunc, every master strategy
   (``fp32``, ``remainder``, ``kahan``, ``stochastic``, ``none``) crossed with every
-  optimizer-state dtype (``f32``, ``bf16``, ``u8``): ``init_master(strategy=)``,
+  optimizer-state dtype (``f32``, ``bf16``, ``u8``, ``u4``): ``init_master(strategy=)``,
   ``adamw(state_dtype=)``, one ``apply_update_(masters, bf16_grads, state, opt,
   params=params)`` per step (no fp32 grad tree);
 - ``mixed`` (only with ``--rows``): fp32 masters through the three calls

@@ -37,7 +37,7 @@ class Row(NamedTuple):
 
 
 STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
-STATE_DTYPES = {"float32": "f32", "bfloat16": "bf16", "uint8": "u8"}
+STATE_DTYPES = {"float32": "f32", "bfloat16": "bf16", "uint8": "u8", "uint4": "u4"}
 
 # Every row the study knows, in table order; add a row with one line here.
 ROWS: dict[str, Row] = {
@@ -85,7 +85,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lr": 5e-5,
         "batch": 4,
         "ctx": 16,
-        "d_model": 32,  # uint8 state takes leaves of at least one 32-element block
+        "d_model": 32,  # uint8/uint4 state takes leaves of at least one 32-element block
         "layers": 1,
         "heads": 2,
         "eval_every": 3,
@@ -101,12 +101,14 @@ EPS = 1e-8
 WEIGHT_DECAY = 0.01
 WARMUP_FRACTION = 0.05
 
-# Issue 10's targets: (row, most persistent bytes per param, largest final val-loss gap
-# to fp32, or None: bit-identical to the "fp32/f32" row through the whole run).
+# Issue 10's targets, and issue 22's for 4-bit moments: (row, most persistent bytes per
+# param, largest final val-loss gap to fp32, or None: bit-identical to the "fp32/f32" row
+# through the whole run).
 TARGETS = (
     ("remainder/f32", 12.0, None),
     ("kahan/bf16", 8.0, 0.005),
     ("stochastic/u8", 4.2, 0.01),
+    ("stochastic/u4", 3.2, 0.01),
 )
 IDENTICAL_TO = "fp32/f32"
 

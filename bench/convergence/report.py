@@ -102,7 +102,8 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 10's targets, each measured: bytes per param, and the gap or bit-identity."""
+    """Issue 10's targets (and issue 22's for 4-bit moments), each measured: bytes per
+    param, and the gap or bit-identity."""
     summary = {e["row"]: e for e in result["summary"]}
     out = []
     for row, max_bytes, max_gap in TARGETS:
@@ -213,7 +214,7 @@ def markdown(result: dict[str, Any]) -> str:
         )
     if absent:
         out += ["", "Not run here (library or option missing): " + "; ".join(absent) + "."]
-    out += ["", "Targets (issue 10), measured:", ""]
+    out += ["", "Targets (issues 10 and 22), measured:", ""]
     for t in result["targets"]:
         want = f"<= {t['max_bytes']:g} B/param, " + (
             f"bit-identical to {IDENTICAL_TO}"
@@ -277,7 +278,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 _COLOURS = {"fp32": "C0", "remainder": "C2", "kahan": "C1", "stochastic": "C4", "none": "C3"}
-_STYLES = {"float32": "-", "bfloat16": "--", "uint8": ":"}
+_STYLES = {"float32": "-", "bfloat16": "--", "uint8": ":", "uint4": "-."}
 
 
 def _style(row: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from bench.common.report import fmt, header, write_json
 
 BF16 = torch.bfloat16
 U8 = torch.uint8
+U4: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 
 # (strategy, state_dtype, persistent bytes per param: param + master/buffer + moments)
 PAIRS: list[tuple[str, torch.dtype | None, float]] = [
@@ -64,11 +65,14 @@ PAIRS: list[tuple[str, torch.dtype | None, float]] = [
     ("stochastic", BF16, 2 + 4),
     ("stochastic", U8, 2 + 2.125),
     ("none", BF16, 2 + 4),
+    # 4-bit moments (issue 22): the torch path on the CPU (no native pass yet).
+    ("fp32", U4, 2 + 4 + 1.125),
+    ("stochastic", U4, 2 + 1.125),
 ]
 
 Step = Callable[[], Any]
 # Bytes per param of each state format's moment: SGD and Lion keep one where AdamW keeps two.
-MOMENT_BYTES = {None: 4.0, BF16: 2.0, U8: 1.0625}
+MOMENT_BYTES = {None: 4.0, BF16: 2.0, U8: 1.0625, U4: 0.5625}
 # The row every ratio divides by, per optimizer.
 BASE = {
     "adamw": "torch fused fp32 AdamW",

@@ -35,7 +35,12 @@ from bench.common.machine import load_avg
 from bench.common.report import fmt, header, write_json
 
 STRATEGIES = ("fp32", "remainder", "kahan", "stochastic", "none")
-STATES: tuple[torch.dtype | None, ...] = (None, torch.bfloat16, torch.uint8)
+STATES: tuple[torch.dtype | None, ...] = (
+    None,
+    torch.bfloat16,
+    torch.uint8,
+    torch.uint4,  # type: ignore[attr-defined]
+)
 BASE = "torch AdamW per-tensor (fp32)"
 SYNCFREE = "torch_xla syncfree AdamW (fp32)"
 FP32 = "mpfunc fp32 + fp32"

@@ -100,7 +100,7 @@ def xla_applies(master: object, state: Sequence[object]) -> bool:
     float32 master tensor or a unit of a strategy the node loads and stores itself (its
     param of a dtype it takes: ``_xla_kernels.PARAM_DTYPES``), with state tensors all
     one state format the node serves (``StateFormat.xla``: float32, bfloat16, 8-bit
-    ``QState``s; step counts are always float32)."""
+    ``QState``s, 4-bit ``Q4State``s; step counts are always float32)."""
     s = _strategy.by_unit(master)
     face = master if s is None else master.param  # type: ignore[attr-defined]
     if not isinstance(face, torch.Tensor) or not face.is_xla:  # type: ignore[attr-defined]
@@ -701,7 +701,7 @@ def _decide(
             raise ValueError(
                 f"{fn}: at {step.masters.path(i)!r}: impl='xla': expected a float32 master "
                 f"(or a master of strategy 'none', 'kahan', 'remainder' or 'stochastic'), "
-                f"float32, bfloat16 or 8-bit state, no stats, on an XLA device, got "
+                f"float32, bfloat16, 8-bit or 4-bit state, no stats, on an XLA device, got "
                 f"{_checks.describe(f)}. Use impl='auto' or 'foreach'."
             )
         direct = (

@@ -42,7 +42,8 @@ and the row-major element index in wrapping s32 arithmetic, the truncation round
 nearest even, their old bits kept where skipped) and 8-bit moments (``_quantize``'s
 decode by table gathers and its blockwise encode, the second moment rounded
 stochastically with ``_state_format``'s draws keyed on the step count and the leaf's
-salt). Adam/AdamW on every such pair give the foreach path's bits
+salt) and 4-bit moments (``_quantize4``'s ``decode_ops``/``encode_ops``: the same rules,
+codes packed two a byte). Adam/AdamW on every such pair give the foreach path's bits
 (tests/test_xla_kernels.py); the one caveat is the fused multiply-add above, which shows
 in a remainder's low half as it does in an fp32 master.
 
@@ -175,7 +176,7 @@ def _run(
     per output field; the results come leaf-major: leaf 0's fields, then leaf 1's, ...)."""
     inputs, shared_key = shared
     key: tuple[Any, ...] = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes)
-    key += (group.low_dtypes, group.strategy, group.types, group.salts)
+    key += (group.low_dtypes, group.strategy, group.types, group.salts, group.extents)
     with _lock:
         comp = _cache.get(key)
     if comp is None:
@@ -197,11 +198,16 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Moments the node loads (widened to fp32) and stores (rounded to nearest even), as
 # ``_state_format.load``/``store`` do: one dtype per group.
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-# The state formats the node serves (``StateFormat.xla``), by key; ``torch.uint8``, the
-# 8-bit ``QState``, is the one encoded format whose codec the node carries (``decode``,
-# ``encode`` below). A format not served here takes the foreach path.
+# The state formats the node serves (``StateFormat.xla``), by key; ``torch.uint8`` (the
+# 8-bit ``QState``, its codec ``decode``/``encode`` below) and ``torch.uint4`` (the 4-bit
+# ``Q4State``, its codec ``_quantize4.decode_ops``/``encode_ops``) are the encoded formats.
+# A format not served here takes the foreach path.
 _SERVED = {k for k, f in _state_format.FORMATS.items() if f.xla}
 _SALTED = {k for k, f in _state_format.FORMATS.items() if f.salted}
+_U4: torch.dtype = torch.uint4  # type: ignore[attr-defined]
+# Encoded formats: a moment is (codes, bf16 block scales); codes face-shaped at 8 bits,
+# flat packed bytes (two a byte) at 4.
+_CODES_EXTENT = {torch.uint8: "face", _U4: "packed"}
 
 # The master strategies whose ``load`` and ``store`` the node does itself, with the param
 # dtypes it takes for each ("fp32": the master is a plain float32 tensor). ``_plan``'s
@@ -365,9 +371,11 @@ def _layout(
     mdtype = next(iter(kinds))
     held: list[list[Any]] = [list(seq) for _, seq in moments]
     extents = ["face"] * len(moments)
-    if ok and mdtype == torch.uint8:
-        from mpfunc.state_formats import _quantize
+    if ok and mdtype in _CODES_EXTENT:
+        from mpfunc.state_formats import _quantize, _quantize4
 
+        packed = _CODES_EXTENT[mdtype] == "packed"
+        csig = [((_quantize4.packed_bytes(math.prod(s)),) if packed else s, d) for s, d in psig]
         codes = [[q.codes for q in seq] for seq in held]
         scales = [[q.scale for q in seq] for seq in held]
         ok = all(isinstance(t, Tensor) for f in (*codes, *scales) for t in f)
@@ -375,14 +383,14 @@ def _layout(
             signed = c[0].dtype if ok else None
             ok = ok and signed in (torch.int8, torch.uint8)
             ok = ok and [(t.shape, t.dtype, t.device) for t in c] == [
-                (s, signed, dev) for s, dev in psig
+                (s, signed, dev) for s, dev in csig
             ]
             bf16 = _quantize.SCALE_DTYPE
             ok = ok and [(t.shape, t.dtype, t.device) for t in sc] == [
                 ((_quantize.blocks(math.prod(s)),), bf16, dev) for s, dev in psig
             ]
         held = [f for pair in zip(codes, scales) for f in pair]
-        extents = ["face", "blocks"] * len(moments)
+        extents = [_CODES_EXTENT[mdtype], "blocks"] * len(moments)
     elif ok:
         msig = [(s, mdtype, dev) for s, dev in psig]
         ok = all([(t.shape, t.dtype, t.device) for t in seq] == msig for seq in held)
@@ -454,6 +462,11 @@ def _explain(
         raise ValueError(
             f"{fn}: 8-bit moments: expected every moment a QState of int8 or uint8 codes and "
             "bf16 block scales, shaped as opt.init makes them"
+        )
+    if _moment_kinds(moments[:1]) == {_U4}:
+        raise ValueError(
+            f"{fn}: 4-bit moments: expected every moment a Q4State of int8 or uint8 packed "
+            "codes and bf16 block scales, shaped as opt.init makes them"
         )
     if mdtype not in _MOMENT_DTYPES:
         where(moments[0][0], 0, "a float32 or bfloat16 moment", desc(moments[0][1][0]), TypeError)
@@ -580,24 +593,27 @@ class _B:
                 shape = ()
             elif extent == "blocks":
                 shape = (-(-math.prod(shape) // 32),)
+            elif extent == "packed":  # 4-bit codes, two a byte
+                shape = (-(-math.prod(shape) // 2),)
             dtype = group.types[field][leaf]
             ops[field][leaf] = op = self.param(shape, dtype)
             if dtype in (torch.int8, torch.uint8):
                 self._signed[id(op)] = dtype == torch.int8
-        width = 2 if self.moment_dtype(group, n_moments) == torch.uint8 else 1
+        width = 2 if self.moment_dtype(group, n_moments) in _CODES_EXTENT else 1
         u = n_fields - width * n_moments - 1
         units = [list(x) for x in zip(*ops[:u])]
         moments = ops[u : n_fields - 1]
-        if width == 2:  # 8-bit: (codes, scales) per leaf
+        if width == 2:  # 8-bit and 4-bit: (codes, scales) per leaf
             moments = [list(zip(c, sc)) for c, sc in zip(moments[0::2], moments[1::2])]
         return units, moments, ops[n_fields - 1], ops[n_fields]
 
     def moment_dtype(self, group: _Leaves, n_moments: int) -> torch.dtype:
-        """The moments' stored dtype (``torch.uint8``: 8-bit ``QState``s)."""
+        """The moments' stored dtype (``torch.uint8``: 8-bit ``QState``s; ``torch.uint4``:
+        4-bit ``Q4State``s)."""
         if not n_moments or not group.shapes:
             return torch.float32
         if group.extents[-2] == "blocks":
-            return torch.uint8
+            return _U4 if group.extents[-3] == "packed" else torch.uint8
         return group.types[-2][0]
 
     def load(self, group: _Leaves, i: int, unit: list[Any], old_low: Any) -> Any:
@@ -638,7 +654,12 @@ class _B:
         return [self.keep(skip, unit[0], param), self.keep(skip, unit[1], comp)]
 
     def widen(self, m: Any, dtype: torch.dtype, shape: Sequence[int] = ()) -> Any:
-        """A stored moment in fp32 (``_state_format.load``; 8-bit: ``_quantize._decode``)."""
+        """A stored moment in fp32 (``_state_format.load``; 8-bit: ``_quantize._decode``;
+        4-bit: ``_quantize4.dequantize4``)."""
+        if dtype == _U4:
+            from mpfunc.state_formats import _quantize4
+
+            return _quantize4.decode_ops(self, m[0], m[1], shape, self._signed[id(m[0])])
         if dtype == torch.uint8:
             return self.decode(m[0], m[1], shape)
         return self.to(m, dtype, torch.float32)
@@ -658,7 +679,7 @@ class _B:
         its shape), as ``_state_format.store`` draws."""
         if dtype == torch.float32:
             return [new]
-        if dtype != torch.uint8:
+        if dtype not in _CODES_EXTENT:
             return [self.keep(skip, old, self.to(new, torch.float32, dtype))]
         assert draw is not None
         codes, scale = old
@@ -668,7 +689,12 @@ class _B:
         if not signed:
             key = self.mix(step.cast("s32") * self.s32(_GOLDEN) + self.s32(_wrap(salt)))
             noise = self.uniform(key, shape)
-        c, sc = self.encode(new, signed, noise, shape)
+        if dtype == _U4:
+            from mpfunc.state_formats import _quantize4
+
+            c, sc = _quantize4.encode_ops(self, new, signed, noise, shape)
+        else:
+            c, sc = self.encode(new, signed, noise, shape)
         return [self.keep(skip, codes, c), self.keep(skip, scale, sc)]
 
     # --- the 8-bit codec (_quantize), on one leaf's elements in row-major order ---------

@@ -74,8 +74,9 @@ Subnormal inputs and results read as zero on every device, because XLA:CPU flush
 and the CPU does not. A leaf smaller than one block is refused (``ValueError`` pointing at
 ``partition``), as the 8-bit format refuses it.
 
-Wired as the state format ``state_dtype=torch.uint4`` (``_uint4``), on the torch path
-only: the native pass and the XLA node do not carry this codec yet. See
+Wired as the state format ``state_dtype=torch.uint4`` (``_uint4``): the torch path, and
+on XLA the one-node kernels through ``decode_ops``/``encode_ops`` below (the same bits);
+the native pass does not carry this codec yet. See
 docs/design.md#the-8-bit-moment-codec for the rules shared with the 8-bit format.
 """
 
@@ -557,3 +558,102 @@ def quantize4_list_(
     for c, sc, x, q in zip(torch.split(code, counts), torch.split(scale, counts), xs, qs):
         q.codes.copy_(_pack(c, x.numel(), signed))
         q.scale.copy_(sc)
+
+
+# --- the codec as XLA builder ops (the one-node kernels, ``backends/_xla_kernels``) -----------
+#
+# ``decode_ops`` and ``encode_ops`` build this module's ``dequantize4`` and ``_encode`` +
+# ``_pack`` of one leaf inside an ``xla_builder`` computation, op for op, so the node gives
+# the torch path's bits. ``b`` is the node's builder helper (``_xla_kernels._B``): its
+# ``xb``, ``builder``, fp32/s32 constants (``f32``, ``s32``), ``abs``, ``flush`` (this
+# module's ``_flush``), ``rne`` (``torch.round``) and ``per_element`` (a per-block value
+# repeated for each element, blocks of 32). Operands are ``xla_builder.Op``s.
+
+
+def _table_op(b: Any, signed: bool) -> Any:
+    k = ("q4_table", signed)
+    if k not in b._consts:
+        b._consts[k] = b.xb.Op.constant(b.builder, _TABLE_CPU[signed])
+    return b._consts[k]
+
+
+def _lookup_op(b: Any, signed: bool, idx: Any, n: int) -> Any:
+    """The decode table at s32 nibbles ``idx`` of shape ``(n,)`` (``index_select``)."""
+    dims = {"offset_dims": [], "collapsed_slice_dims": [0], "start_index_map": [0]}
+    operands = (_table_op(b, signed).op, idx.reshape([n, 1]).op)
+    return b.xb.mkop("Gather", operands, index_vector_dim=1, slice_sizes=[1], **dims)
+
+
+def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: bool) -> Any:
+    """``dequantize4`` of one leaf: packed ``codes`` (``(packed_bytes(n),)``, s8 or u8) and
+    bf16 ``scale`` (``(blocks(n),)``) -> its fp32 moment of ``shape``."""
+    n = math.prod(shape)
+    n_bytes = packed_bytes(n)
+    byte = codes.cast("s32") & b.s32(255)  # (_unpack) int8 bytes back to 0..255
+    low = (byte & b.s32(15)).reshape([n_bytes, 1])
+    high = (byte / b.s32(16)).reshape([n_bytes, 1])  # non-negative: a right shift
+    nib = b.xb.Op.concat_in_dim([low, high], 1, builder=b.builder).reshape([2 * n_bytes])
+    vals = _lookup_op(b, signed, nib.slice_in_dim(0, n, 0), n)
+    s = scale.cast("f32")
+    if not signed:
+        s = s.max(b.f32(_TINY))
+    y = vals * b.per_element(s, n)
+    if not signed:
+        y = y * y
+    return b.flush(y).reshape(list(shape))
+
+
+def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -> tuple[Any, Any]:
+    """``_encode`` and ``_pack`` of one leaf's fp32 values ``x`` (of ``shape``; ``noise``:
+    ``None`` or fp32 draws of ``shape``): its packed codes (s8 signed, u8 unsigned) and
+    bf16 block scales. Blocks are zero-padded, as ``_as_blocks`` pads them."""
+    n = math.prod(shape)
+    nb = blocks(n)
+    tiny, zero, one = b.f32(_TINY), b.f32(0.0), b.f32(1.0)
+
+    def as_blocks(v: Any) -> Any:
+        flat = v.reshape([n])
+        if nb * BLOCK > n:
+            pad = b.xb.Op.scalar(b.builder, 0, dtype="f32").broadcast([nb * BLOCK - n])
+            flat = b.xb.Op.concat_in_dim([flat, pad], 0, builder=b.builder)
+        return flat.reshape([nb, BLOCK])
+
+    xb = as_blocks(x)
+    ok = (xb - xb) == zero  # isfinite
+    if not signed:
+        ok = ok & (xb > -tiny)
+    keep = ok & (b.abs(xb) >= tiny)
+    vals = keep.select(xb, xb.zeros_like())
+    if not signed:
+        vals = vals.sqrt()
+    amax = b.abs(vals).reduce(b.f32(-math.inf), lambda p, q: p.max(q), [1])
+    scale = amax.min(b.f32(_BF16_MAX)).cast("bf16")
+    s = scale.cast("f32")
+    den = (s > zero).select(s, s.ones_like()).broadcast_in_dim([nb, BLOCK], [0])
+    y = b.flush(vals / den)
+    t = (y + y) / (b.abs(y) + one)
+    levels, low = (_S_LEVELS, -_S_LEVELS) if signed else (_U_LEVELS, 0)
+    if noise is None:
+        code = b.rne(t * b.f32(levels)).max(b.f32(low)).min(b.f32(levels)).cast("s32")
+    else:  # (_round_stochastic)
+        lo = (t * b.f32(levels)).floor().max(b.f32(low)).min(b.f32(levels - 1)).cast("s32")
+        lo = lo.reshape([nb * BLOCK])
+        fifteen = b.s32(15)
+        lo_v = _lookup_op(b, signed, lo & fifteen, nb * BLOCK).reshape([nb, BLOCK])
+        hi_v = _lookup_op(b, signed, (lo + b.s32(1)) & fifteen, nb * BLOCK).reshape([nb, BLOCK])
+        value = y
+        if not signed:
+            value, lo_v, hi_v = b.flush(y * y), lo_v * lo_v, hi_v * hi_v
+        up = as_blocks(noise) < (value - lo_v) / (hi_v - lo_v)
+        code = lo.reshape([nb, BLOCK]) + up.cast("s32")
+    if not signed:
+        code = keep.select(code.max(b.s32(1)), code)
+    code = ok.select(code, code.scalar_like(_S_NAN if signed else _U_NAN))
+    # (_pack) two nibbles a byte, low nibble first; the padding's codes are 0.
+    nib = (code & b.s32(15)).reshape([nb * BLOCK])
+    byte = nib.slice_in_dim(0, nb * BLOCK, 0, stride=2)
+    byte = byte + nib.slice_in_dim(1, nb * BLOCK, 0, stride=2) * b.s32(16)
+    byte = byte.slice_in_dim(0, packed_bytes(n), 0)
+    if signed:  # the same bits as int8, without relying on a narrowing convert's wrap
+        byte = (byte > b.s32(127)).select(byte - b.s32(256), byte)
+    return byte.cast("s8" if signed else "u8"), scale

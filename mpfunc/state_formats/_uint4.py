@@ -9,9 +9,9 @@ with draws keyed on the leaf's step count and salt (``_base.keys``, as at 8 bits
 resumed run draws the same bits; first moments to nearest. Why this code: ``_quantize4``'s
 docstring and ``bench/results/q4_design``.
 
-Served on the torch path only (CPU, and XLA through torch ops, with the same bits): the
-native composed pass and the XLA node do not carry this codec yet (``native=None``,
-``xla=False``), so these leaves take the foreach path.
+On XLA the one-node kernels carry the codec (``xla=True``; ``_quantize4.decode_ops`` and
+``encode_ops``, op for op the torch path's, the same bits). On the CPU the native
+composed pass does not carry it yet (``native=None``): these leaves take the foreach path.
 """
 
 from __future__ import annotations
@@ -117,6 +117,6 @@ FORMAT = StateFormat(
     store=_store,
     layout=_layout,
     native=None,
-    xla=False,
+    xla=True,
     salted=True,
 )
