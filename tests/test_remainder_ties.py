@@ -252,3 +252,13 @@ def test_old_master_optimizer_state_loads_and_resplits() -> None:
         for key, t in opt2.state_dict()["state"][i].items():
             want = sd["state"][i][key]
             assert torch.equal(_raw(t), _raw(want)), (names[i], key)
+
+
+def test_old_tree_file_is_refused_with_the_missing_tie_bits() -> None:
+    """A ``mpfunc.save`` tree of units from before tie bits: refused before anything is
+    read into the tree, naming each missing ``ties`` entry (never loaded half-way)."""
+    v1 = _v1()
+    params = {k: torch.nn.Parameter(v.to(BF16)) for k, v in v1["fp32"].items()}
+    m = mpfunc.init_master(params, strategy="remainder")
+    with pytest.raises(ValueError, match=r"missing key 'masters\.matrix\.ties'"):
+        mpfunc.load(FIXTURES / "remainder_v1_tree.pt", like={"masters": m})

@@ -1,46 +1,43 @@
-"""An fp32 master held exactly as its bf16 param plus a 16-bit remainder.
+"""An fp32 master held exactly as its bf16 param, a 16-bit remainder and a tie bit.
 
 bf16 is the top half of fp32 (same sign, same 8-bit exponent, 7 of the 23 mantissa
 bits), so the 16 bits that rounding drops can be kept beside the param and the
 master rebuilt bit for bit::
 
-    param, remainder = split(master)      # bf16, int16; 2 + 2 bytes
-    join(param, remainder)                # the same 32 bits as master, always
+    param, remainder, ties = split(master)   # bf16, int16, uint8 bits; 2 + 2 + 1/8 bytes
+    join(param, remainder, ties)              # the same 32 bits as master, always
 
-**The encoding.** ``remainder`` is the master's low 16 bits, unchanged. ``param`` is
-the master rounded to nearest with ties *away from zero* (IEEE roundTiesToAway),
-computed on the magnitude bits; ``join`` undoes it: the rounding went up exactly
-when the remainder's top bit is set. Two rules cover the fp32 NaNs (below). Every
-one of the 2^32 patterns round-trips (``python -m bench.remainder`` checks all
-of them), so ``split`` is a bijection and ``join`` accepts any pair.
+**The encoding.** ``param`` is ``master.to(torch.bfloat16)``: round to nearest, ties to
+even, for every master that is not a NaN (subnormals, +-0, +-inf and the overflow to
+inf above bf16's largest finite included). ``remainder`` is the master's low 16 bits,
+unchanged. The rounding went up exactly when the remainder's top bit is set, except at
+an exact tie (low half ``0x8000``), where either neighbour is possible: the high half
+``h`` rounds to ``h`` if even and to ``h + 1`` if odd, so an even param ``p`` stands for
+``p`` or ``p - 1`` (the carry into the exponent at ``p - 1`` is plain integer arithmetic
+on the magnitude bits). The **tie bit** says which: set where a tie rounded up. No 16-bit
+remainder can do without it (each even bf16 value is the nearest-even rounding of 65,537
+fp32 patterns; a remainder tells 65,536 apart).
 
-**Where the param is not ``master.to(torch.bfloat16)``.** Only here:
+**NaNs** keep a NaN param with the master's sign: its top 7 payload bits where the
+payload reaches the high half, and the quiet NaN (``0x7FC0``) with the tie bit set for
+the NaNs whose payload lies wholly in the low half (``0x7F800001..0x7F80FFFF`` and the
+negatives), whose high half is that of inf. ``Tensor.to`` gives the canonical NaN
+instead: the payload is the one difference.
 
-* *Ties toward an even neighbour*: low 16 bits exactly ``0x8000`` and the high half
-  even. Round-to-nearest-even rounds down to the even pattern; this param is the
-  next pattern up, one bf16 ulp away. 16,320 patterns per sign, 2^-17 of random bits.
-  No 16-bit remainder can avoid it: it tells apart 65,536 masters per param value,
-  and each even nonzero finite bf16 value is the nearest-even rounding of 65,537
-  (both ties), so one of them needs another param (at least 16,319 patterns per
-  sign; this encoding also moves the tie at 2^-134 to keep a single rule). A loop
-  that rounds its params with ``Tensor.to`` therefore differs from this one in the
-  last bit of a few params per step, and its trajectory drifts from there.
-* *NaNs*: a NaN param with the master's sign and top 7 payload bits (``Tensor.to``
-  gives the canonical NaN) for every NaN whose payload reaches the high half. The
-  NaNs whose payload lies wholly in the low 16 bits (``0x7F800001..0x7F80FFFF`` and
-  the negatives) get inf (``..7FFF``) or zero (``0x7F808000..``), with their sign.
-  Also forced: bf16 has 127 NaN patterns per sign, room for 127 * 65,536 masters,
-  and fp32 has 128 * 65,536 - 1 NaNs. The 65,535 left over can only go where
-  rounding leaves room: inf (0x7FFF free remainders) and zero (0x8000).
+**The tie bits' container** is a uint8 tensor of ``tie_shape(param.shape)``: packed along
+the last dim, byte ``[..., j // 8]`` bit ``j % 8`` for element ``[..., j]`` (a row's last
+byte padded with zeros); a 0-d param has one 0-d byte. Packing along the last dim keeps
+every other dim as the param's, so a dim-0 split (FSDP2, SPMD) cuts the param and its
+bits alike; splitting the last dim does so only in chunks of a multiple of 8. Bits are
+set only at ties that rounded up and at the low-payload NaNs, so ``split`` writes one
+canonical triple per master; ``join(*split(m))`` is ``m`` for all 2^32 patterns
+(``python -m bench.remainder`` checks every one).
 
-Finite masters above bf16's largest finite (``0x7F7F8000..0x7F7FFFFF``) get an inf
-param, as with ``Tensor.to``, and the remainder still rebuilds them exactly;
-subnormals, ±0 and ±inf get exactly ``Tensor.to``'s param.
-
-The param and the remainder are a pair: write the param only through ``split`` /
-``split_``. A param written by ``Tensor.to`` or ``masters_to_model_`` is one pattern
-lower at the ties above, and ``join`` would then return a master 65,536 ulps lower.
-Every pair is a valid encoding, so nothing can detect that afterwards.
+The param and its remainder and bits are one value: write the param only through
+``split`` / ``split_`` (or a step). A param written by ``Tensor.to`` is the same param
+wherever the master is not a NaN, so ``masters_to_model_`` of the joined master leaves
+the triple valid. Pairs written by mpfunc before the tie bit (params rounded ties away
+from zero) are read by ``join_ties_away`` (checkpoints; see ``checkpoint._state_dict``).
 
 **fp16 params** cannot hold an exact fp32 master in 16 more bits (see
 ``unsupported_hint``).
@@ -48,11 +45,12 @@ Every pair is a valid encoding, so nothing can detect that afterwards.
 On CPU and CUDA the bits are reinterpreted with ``Tensor.view(dtype)`` and rounded in
 int32 arithmetic, op by op. On XLA ``view(dtype)`` is not lowered (torch_xla 2.9
 runs ``aten::view_copy.dtype`` on the host), so a list of leaves becomes one XLA
-computation (``BitcastConvert`` plus the same integer ops), built once per list of
-shapes and called with ``torch_xla._XLAC._xla_user_computation``: one node, no host
-transfer, no ``aten::`` fallback. (torch_xla 2.9 on XLA:CPU canonicalizes bf16 NaN
-payloads written into a *view* with ``copy_``; a NaN param that is a view keeps its
-NaN-ness and sign but not its payload there. Nothing else is changed.)
+computation (``BitcastConvert`` plus the same integer ops, the bits packed with slices
+and shifts), built once per list of shapes and called with
+``torch_xla._XLAC._xla_user_computation``: one node, no host transfer, no ``aten::``
+fallback. (torch_xla 2.9 on XLA:CPU canonicalizes bf16 NaN payloads written into a
+*view* with ``copy_``; a NaN param that is a view keeps its NaN-ness and sign but not
+its payload there. Nothing else is changed.)
 
 See docs/design.md#the-remainder-encoding.
 """
