@@ -1350,33 +1350,33 @@ MPF_INLINE fVec join16(const u16* P, const u16* R, __mmask16 t) {
   const iVec p = widen16(P), low = widen16(R);
   const iVec mag = _mm512_and_si512(p, i32(0x7FFFu));
   const __mmask16 finite = _mm512_cmple_epu32_mask(mag, i32(kInfHigh));
-  const __mmask16 tie = _mm512_cmpeq_epi32_mask(low, i32(0x8000u));
-  // Up: the remainder's top bit, except at a tie, where the tie bit says.
-  const __mmask16 up = (_mm512_cmpge_epu32_mask(low, i32(0x8000u)) & ~tie) | (tie & t);
-  iVec high = _mm512_mask_sub_epi32(mag, finite & up, mag, i32(1));
-  high = _mm512_mask_mov_epi32(high, ~finite & t, i32(kInfHigh));
-  const iVec sign = _mm512_slli_epi32(_mm512_and_si512(p, i32(0x8000u)), 16);
-  const iVec bits =
-      _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi32(high, 16), low), sign);
-  return fVec(_mm512_castsi512_ps(bits));
+  // Up where low + t > 0x8000: the top bit, or at an exact tie the tie bit (finite only).
+  const iVec lt = _mm512_mask_add_epi32(low, t, low, i32(1u));
+  const __mmask16 up = _mm512_mask_cmpgt_epu32_mask(finite, lt, i32(0x8000u));
+  iVec high = _mm512_mask_sub_epi32(mag, up, mag, i32(1u));
+  high = _mm512_mask_mov_epi32(high, _kandn_mask16(finite, t), i32(kInfHigh));
+  // (high | sign) << 16 | low, the sign being bit 15 of p.
+  const iVec top = _mm512_ternarylogic_epi32(high, p, i32(0x8000u), 0xF8);  // a | (b & c)
+  return fVec(_mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(top, 16), low)));
 }
 
 // split() on 16 lanes; returns their tie bits.
 MPF_INLINE __mmask16 split16(const fVec& x, u16* P, u16* R) {
   const iVec b = _mm512_castps_si512(__m512(x));
   const iVec mag32 = _mm512_and_si512(b, i32(0x7FFFFFFFu));
-  const iVec high = _mm512_srli_epi32(mag32, 16);
-  const iVec low = _mm512_and_si512(b, i32(0xFFFFu));
-  const iVec odd = _mm512_and_si512(high, i32(1u));
+  const iVec hi = _mm512_srli_epi32(b, 16);  // the sign and the high half
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag32, i32(0x7F800000u));
-  const __mmask16 lownan = nan & _mm512_cmpeq_epi32_mask(high, i32(kInfHigh));
-  iVec mag = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag32, odd), i32(0x7FFFu)), 16);
-  mag = _mm512_mask_mov_epi32(mag, nan, high);
+  const __mmask16 odd = _mm512_test_epi32_mask(b, i32(0x10000u));
+  // Nearest even: + 0x7FFF + odd, then the high half; NaNs keep theirs.
+  const iVec inc = _mm512_maskz_add_epi32(_knot_mask16(nan), _mm512_srli_epi32(_mm512_and_si512(b, i32(0x10000u)), 16),
+                                          i32(0x7FFFu));
+  iVec mag = _mm512_srli_epi32(_mm512_add_epi32(mag32, inc), 16);
+  const __mmask16 lownan = _mm512_mask_cmpeq_epi32_mask(nan, mag, i32(kInfHigh));
   mag = _mm512_mask_mov_epi32(mag, lownan, i32(kQNaNHigh));
-  const __mmask16 tie = (_mm512_cmpeq_epi32_mask(low, i32(0x8000u)) &
-                         _mm512_test_epi32_mask(odd, odd) & ~nan) | lownan;
-  const iVec p = _mm512_or_si512(mag, _mm512_and_si512(_mm512_srli_epi32(b, 16), i32(0x8000u)));
-  narrow16(p, P);
+  const iVec low = _mm512_and_si512(b, i32(0xFFFFu));
+  const __mmask16 tie =
+      _mm512_mask_cmpeq_epi32_mask(_kandn_mask16(nan, odd), low, i32(0x8000u)) | lownan;
+  narrow16(_mm512_ternarylogic_epi32(mag, hi, i32(0x8000u), 0xF8), P);  // mag | sign
   narrow16(low, R);
   return tie;
 }
