@@ -82,7 +82,7 @@ def test_convergence_smoke(tmp_path: Path) -> None:
         # strategies' shares below the master-weight path.
         assert runs[REFERENCE, s]["bytes_per_param"] == pytest.approx(12, abs=0.05)
         assert runs["bf16", s]["bytes_per_param"] == pytest.approx(6, abs=0.05)
-        assert runs["remainder/f32", s]["bytes_per_param"] == pytest.approx(12, abs=0.05)
+        assert runs["remainder/f32", s]["bytes_per_param"] == pytest.approx(12.125, abs=0.05)
         assert runs["stochastic/u8", s]["bytes_per_param"] < 4.3
         # Peaks by hand: fused AdamW and mpfunc's one pass add the grads and nothing else.
         assert runs["fp32-fused", s]["memory_per_param"]["peak"] == pytest.approx(16, abs=0.05)

@@ -953,7 +953,13 @@ def test_strategies_train_and_resume() -> None:
 
     fp32, _ = run("fp32")
     rem, rem_params = run("remainder")
-    assert sorted(rem.state_dict()["state"][0]) == ["exp_avg", "exp_avg_sq", "remainder", "step"]
+    assert sorted(rem.state_dict()["state"][0]) == [
+        "exp_avg",
+        "exp_avg_sq",
+        "remainder",
+        "step",
+        "ties",
+    ]
     assert rem.state[rem_params[0]]["remainder"].dtype == torch.int16
     for p, q in zip(fp32._params, rem_params):
         assert_bits_equal(fp32.state[p]["exp_avg_sq"], rem.state[q]["exp_avg_sq"])

@@ -32,6 +32,7 @@ STATE_DTYPES = [None, torch.bfloat16, torch.uint8]
 LAYOUTS: list[tuple[str, tuple[int, ...]]] = [
     ("contiguous", (37,)),
     ("contiguous", (1000,)),
+    ("contiguous", (5, 64)),  # "remainder": rows of whole tie bytes
     ("transposed", (9, 7)),
     ("channels_last", (2, 3, 4, 3)),
     ("sliced", (6, 8)),
@@ -149,7 +150,7 @@ def test_native_composed_equals_torch_path(composed: list[int], data: st.DataObj
     # Grads are contiguous (channels_last for 4-d leaves): the native pass takes every leaf
     # whose param shares that layout.
     if any(kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
-        c["strategy"] == "stochastic" or c["state_dtype"] == torch.uint8))
+        c["strategy"] in ("stochastic", "remainder") or c["state_dtype"] == torch.uint8))
         for kind, _ in c["layouts"]):  # fmt: skip
         assert composed, "the native composed step never ran"
 
@@ -173,22 +174,27 @@ def test_every_pair_takes_the_native_pass(
 def test_native_refuses_a_wrong_call_before_writing(native: Any) -> None:
     p = torch.randn(64).bfloat16()
     r = torch.zeros(64, dtype=torch.int16)
+    t = torch.zeros(8, dtype=torch.uint8)
     g = torch.randn(64).bfloat16()
     m, v = torch.zeros(64), torch.zeros(64)
     step = torch.zeros(())
-    before = snapshot([p, r, m, v, step])
+    before = snapshot([p, r, t, m, v, step])
     args = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                 decoupled=True, amsgrad=False, maximize=False, grad_scale=None,
                 found_inf=None)  # fmt: skip
     with pytest.raises(ValueError, match=r"remainder"):
         # a remainder of another shape
-        native.step_composed_(1, 0, [p], [r[:32]], [g], [[m], [v]], [], [step], [], [],
+        native.step_composed_(1, 0, [p], [r[:32], t], [g], [[m], [v]], [], [step], [], [],
                               *args.values())  # fmt: skip
     with pytest.raises(TypeError, match=r"at \[0\]"):
         # an fp32 param for the remainder strategy
-        native.step_composed_(1, 0, [p.float()], [r], [g], [[m], [v]], [], [step], [], [],
+        native.step_composed_(1, 0, [p.float()], [r, t], [g], [[m], [v]], [], [step], [], [],
                               *args.values())  # fmt: skip
-    assert_unchanged([p, r, m, v, step], before)
+    with pytest.raises(ValueError, match=r"tie bits of whole bytes"):
+        # tie bits of another size
+        native.step_composed_(1, 0, [p], [r, t[:4]], [g], [[m], [v]], [], [step], [], [],
+                              *args.values())  # fmt: skip
+    assert_unchanged([p, r, t, m, v, step], before)
 
 
 def test_decode_tables_are_one_division() -> None:

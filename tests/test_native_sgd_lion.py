@@ -151,7 +151,7 @@ def test_native_sgd_lion_equal_torch_path(
     # whose param shares that layout.
     if _serves(c["name"], c["kw"].get("betas", (0.9, 0.99))) and any(
         kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
-        c["strategy"] == "stochastic" or c["state_dtype"] == torch.uint8))
+        c["strategy"] in ("stochastic", "remainder") or c["state_dtype"] == torch.uint8))
         for kind, _ in c["layouts"]):  # fmt: skip
         assert ran, "the native pass never ran"
 
@@ -229,19 +229,22 @@ def test_sgd_fp32_equals_torch_optim_sgd(ran: list[int], threads: int) -> None:
 def test_native_rule_refuses_a_wrong_call_before_writing(native: Any) -> None:
     p = torch.randn(64).bfloat16()
     r = torch.zeros(64, dtype=torch.int16)
+    t = torch.zeros(8, dtype=torch.uint8)
     g = torch.randn(64).bfloat16()
     m = torch.zeros(64)
     step = torch.zeros(())
-    before = snapshot([p, r, m, step])
+    before = snapshot([p, r, t, m, step])
     args = dict(lr=1e-3, lr_tensor=None, a=0.9, b=0.99, weight_decay=0.0, nesterov=False,
                 maximize=False, grad_scale=None, found_inf=None)  # fmt: skip
     with pytest.raises(ValueError, match=r"remainder"):  # a remainder of another shape
-        native.step_rule_(1, 1, 0, [p], [r[:32]], [g], [[m]], [], [step], [], *args.values())
+        native.step_rule_(1, 1, 0, [p], [r[:32], t], [g], [[m]], [], [step], [], *args.values())
+    with pytest.raises(ValueError, match=r"tie bits of whole bytes"):  # tie bits too short
+        native.step_rule_(1, 1, 0, [p], [r, t[:7]], [g], [[m]], [], [step], [], *args.values())
     with pytest.raises(TypeError, match=r"at \[0\]"):  # an fp32 param for "remainder"
-        native.step_rule_(1, 1, 0, [p.float()], [r], [g], [[m]], [], [step], [], *args.values())
+        native.step_rule_(1, 1, 0, [p.float()], [r, t], [g], [[m]], [], [step], [], *args.values())
     with pytest.raises(ValueError, match=r"one state field"):  # Lion without its moment
-        native.step_rule_(1, 1, 0, [p], [r], [g], [], [], [step], [], *args.values())
-    assert_unchanged([p, r, m, step], before)
+        native.step_rule_(1, 1, 0, [p], [r, t], [g], [], [], [step], [], *args.values())
+    assert_unchanged([p, r, t, m, step], before)
 
 
 def test_sgd_dampening_follows_each_leafs_own_step_count(ran: list[int]) -> None:

@@ -103,9 +103,10 @@ WARMUP_FRACTION = 0.05
 
 # Issue 10's targets, and issue 22's for 4-bit moments: (row, most persistent bytes per
 # param, largest final val-loss gap to fp32, or None: bit-identical to the "fp32/f32" row
-# through the whole run).
+# through the whole run). The remainder's 12.13 is issue 22's 12.125 (12 plus its tie bits,
+# the price of the bit-identity) to the table's 2 decimals.
 TARGETS = (
-    ("remainder/f32", 12.0, None),
+    ("remainder/f32", 12.13, None),
     ("kahan/bf16", 8.0, 0.005),
     ("stochastic/u8", 4.2, 0.01),
     ("stochastic/u4", 3.2, 0.01),

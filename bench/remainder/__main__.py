@@ -1,19 +1,20 @@
-"""Checks the bf16 + remainder encoding over all 2^32 fp32 bit patterns.
+"""Checks the bf16 + remainder + tie bit encoding over all 2^32 fp32 bit patterns.
 
-    python -m bench.remainder [--chunk-bits 22] [--threads 1] [--device cpu] [--pairs]
+    python -m bench.remainder [--chunk-bits 22] [--threads 1] [--device cpu] [--triples]
 
 For every pattern x, in chunks of 2^chunk_bits (ascending int32 order):
 
 * ``join(split(x))`` has x's bits (mismatches must be 0);
 * the remainder is x's low 16 bits;
-* the param against ``x.to(torch.bfloat16)``: for non-NaN x they may differ only at the
-  ties toward an even neighbour (low half 0x8000, high half even), and there the
-  param is the next pattern up; NaN masters are counted by what their param is (NaN,
-  inf or zero);
-* with ``--device xla``: the round trip on the XLA device, and its param and remainder
-  against the CPU path's, bit for bit (the other checks need the CPU path's counts);
-* with ``--pairs``, ``split(join(p, r)) == (p, r)`` for every pair, reading x's bits as
-  (high, low) (implied by the first check: see the summary it prints).
+* the param against ``x.to(torch.bfloat16)``: equal for every non-NaN x; NaN masters are
+  counted by what their param is (NaN, anything else);
+* the tie bit: set exactly at the ties that rounded up (low half 0x8000, high half odd)
+  and at the NaNs whose payload lies wholly in the low half;
+* with ``--device xla``: the round trip on the XLA device, and its param, remainder and
+  tie bits against the CPU path's, bit for bit (the other checks need the CPU path's
+  counts);
+* with ``--triples``, ``split(join(p, r, t)) == (p, r, t)`` for every triple split makes
+  (implied by the first check: see the summary it prints).
 
 Prints progress, then the counts and the expected ones, and exits 1 on any surprise.
 Standalone: imports only torch and mpfunc. Peak memory is about 25 chunk-sized int32
@@ -40,47 +41,47 @@ EXPECTED = {
     "join_mismatch": 0,
     "remainder_not_low_half": 0,
     "split_join_mismatch": 0,
-    # ties toward an even neighbour, finite: high half even in [0, 0x7F7E] per sign
-    "param_tie_up_one": 2 * (0x7F7E // 2 + 1),
-    "param_other_difference": 0,
-    # NaNs: 0x7F81..0x7FFF high halves keep a NaN param; the low-payload ones do not
-    "nan_param_nan": 2 * (127 * 65536),
-    "nan_param_inf": 2 * 0x7FFF,
-    "nan_param_zero": 2 * 0x8000,
+    "param_not_tensor_to": 0,  # non-NaN masters
+    # tie bits: the odd high halves 0x0001..0x7F7F at low half 0x8000, and the NaNs with
+    # high half 0x7F80 (payload 0x0001..0xFFFF), per sign
+    "tie_bits_set": 2 * (0x7F80 // 2 + 0xFFFF),
+    "tie_bit_wrong": 0,
+    "nan_param_nan": 2 * (128 * 65536 - 1),
     "nan_param_other": 0,
     "xla_differs_from_cpu": 0,
 }
 
 
 def run_chunk_xla(start: int, n: int, device: torch.device, counts: dict[str, int]) -> None:
-    """XLA: ``join(split(x)) == x`` on the device, and the device's param and remainder
-    bit-identical to the CPU path's (which the CPU run classifies in full)."""
+    """XLA: ``join(split(x)) == x`` on the device, and the device's param, remainder and
+    tie bits bit-identical to the CPU path's (which the CPU run classifies in full)."""
     import torch_xla
 
     x = torch.arange(start, start + n, dtype=torch.int32)
     master = x.view(torch.float32)
-    param, rem = _remainder.split(master.to(device))
-    back = _remainder.join(param, rem)
+    param, rem, ties = _remainder.split(master.to(device))
+    back = _remainder.join(param, rem, ties)
     torch_xla.sync()
-    cpu_param, cpu_rem = _remainder.split(master)
+    cpu_param, cpu_rem, cpu_ties = _remainder.split(master)
     out = {
         "join_mismatch": _count(_bits32(back.cpu()) != x),
         "xla_differs_from_cpu": _count(
             (_bits16(param.cpu()) != _bits16(cpu_param)) | (rem.cpu() != cpu_rem)
-        ),
+        )
+        + _count(ties.cpu() != cpu_ties),
     }
     for k, v in out.items():
         counts[k] = counts.get(k, 0) + v
 
 
 def run_chunk(
-    start: int, n: int, device: torch.device, counts: dict[str, int], pairs: bool
+    start: int, n: int, device: torch.device, counts: dict[str, int], triples: bool
 ) -> None:
     """Adds one chunk's counts: the int32 patterns ``start .. start + n - 1``."""
     x = torch.arange(start, start + n, dtype=torch.int32, device=device)
     master = x.view(torch.float32)
-    param, rem = _remainder.split(master)
-    back = _remainder.join(param, rem)
+    param, rem, ties = _remainder.split(master)
+    back = _remainder.join(param, rem, ties)
     p16 = _bits16(param)
 
     out = {
@@ -90,29 +91,22 @@ def run_chunk(
 
     nan = torch.isnan(master)
     rne = _bits16(master.to(torch.bfloat16))
-    differs = (p16 != rne) & ~nan
+    out["param_not_tensor_to"] = _count((p16 != rne) & ~nan)
     low, high = x & 0xFFFF, (x >> 16) & 0x7FFF
-    tie_even = (low == 0x8000) & ((high & 1) == 0) & (high <= 0x7F7E)
-    up_one = p16.to(torch.int32) == rne.to(torch.int32) + 1
-    out["param_tie_up_one"] = _count(differs & tie_even & up_one)
-    out["param_other_difference"] = _count(differs & ~(tie_even & up_one))
+    want = ((low == 0x8000) & ((high & 1) == 1) & ~nan) | (nan & (high == 0x7F80))
+    bit = _remainder.unpack_ties(ties, x.shape).bool()
+    out["tie_bits_set"] = _count(bit)
+    out["tie_bit_wrong"] = _count(bit != want)
     pm = torch.isnan(param)
-    pinf = torch.isinf(param)
-    pzero = param == 0
     out["nan_param_nan"] = _count(nan & pm)
-    out["nan_param_inf"] = _count(nan & pinf)
-    out["nan_param_zero"] = _count(nan & pzero)
-    out["nan_param_other"] = _count(nan & ~(pm | pinf | pzero))
+    out["nan_param_other"] = _count(nan & ~pm)
 
     for k, v in out.items():
         counts[k] = counts.get(k, 0) + v
-    if not pairs:
+    if not triples:
         return
-    # The other direction: x's bits read as a (param, remainder) pair.
-    pair_p = ((x >> 16).to(torch.int16)).view(torch.bfloat16)
-    pair_r = ((x << 16) >> 16).to(torch.int16)
-    p2, r2 = _remainder.split(_remainder.join(pair_p, pair_r))
-    mismatch = _count((_bits16(p2) != _bits16(pair_p)) | (r2 != pair_r))
+    p2, r2, t2 = _remainder.split(back)
+    mismatch = _count((_bits16(p2) != p16) | (r2 != rem)) + _count(t2 != ties)
     counts["split_join_mismatch"] = counts.get("split_join_mismatch", 0) + mismatch
 
 
@@ -147,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", type=int, default=0, help="start at this chunk (smoke runs)")
     ap.add_argument("--limit", type=int, default=0, help="check only this many chunks (smoke)")
     ap.add_argument(
-        "--pairs",
+        "--triples",
         action="store_true",
-        help="also check split(join(p, r)) == (p, r) for every pair (implied: see the summary)",
+        help="also check split(join(p, r, t)) == (p, r, t) for every split triple (implied: "
+        "see the summary)",
     )
     args = ap.parse_args(argv)
     if args.threads:
@@ -173,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "xla":
             run_chunk_xla(start, n, device, counts)
         else:
-            run_chunk(start, n, device, counts, args.pairs)
+            run_chunk(start, n, device, counts, args.triples)
         if c % max(1, chunks // 32) == 0 or c == chunks - 1:
             el = time.perf_counter() - t0
             print(
@@ -194,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:24s} {v:12d}  expected {exp:12d}  {'ok' if ok else 'MISMATCH'}{note}")
     if full and counts["join_mismatch"] == 0 and "split_join_mismatch" not in counts:
         print(
-            "  split(join(p, r)) == (p, r) for all pairs follows: join(split(x)) == x for all\n"
-            "  2^32 x makes split injective on a finite set into one of the same size, so it is\n"
-            "  a bijection and join is its inverse (--pairs checks it directly)."
+            "  split(join(p, r, t)) == (p, r, t) for every triple split makes follows:\n"
+            "  join(split(x)) == x for all 2^32 x makes split injective, and join its left\n"
+            "  inverse on split's image (--triples checks it directly)."
         )
     return 1 if bad else 0
 

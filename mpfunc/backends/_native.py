@@ -538,6 +538,8 @@ def composed_args(group: Group, moments: list[Any]) -> tuple[Any, ...]:
     units: list[Any] = list(group.params)
     prims = units if kind is None else [u.param for u in units]
     auxs = [u[1] for u in units] if kind is not None and len(first) > 1 else []
+    if kind is not None and len(first) > 2:  # "remainder": the remainders, then the tie bits
+        auxs += [u[2] for u in units]
     data = [[q[0] for q in f] for f in moments] if quantized else moments
     scales = [[q[1] for q in f] for f in moments] if quantized else []
     return strategy, fmt, prims, auxs, data, scales

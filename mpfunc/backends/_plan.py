@@ -224,8 +224,10 @@ def _composed_fits(
     kernel can take this leaf of a master strategy other than plain fp32-with-fp32-state,
     else ``None``: on the CPU, a strategy and param dtype it knows, moments all of one
     format the pass takes (or none: code 0), a grad and model param of its dtypes; the
-    leaf's tensors dense with one stride, and contiguous where draws (``"stochastic"``) or
-    a container's blocks (8-bit codes and scales) follow the element index."""
+    leaf's tensors dense with one stride, and contiguous where draws (``"stochastic"``),
+    tie bits (``"remainder"``, whose rows must be whole bytes: a last dim a multiple of 8,
+    or at most one dim) or a container's blocks (8-bit codes and scales) follow the
+    element index."""
     if "native" not in rule.kernels:
         return None
     f = m if s is None else m.param
@@ -260,7 +262,12 @@ def _composed_fits(
         tensors = [f, g, aux, param] if blocked else [f, g, aux, param, *stored]
     if s is None and fmt == 0:
         return None  # the fp32 kernel's own case (_native_fits)
-    if blocked or (s is not None and s.name == "stochastic"):
+    if s is not None and s.name == "remainder":
+        # Its tie bits are a bit array in element order only where rows are whole bytes.
+        if f.dim() > 1 and f.shape[-1] % 8:
+            return None
+        tensors.append(m[2])
+    if blocked or (s is not None and s.name in ("stochastic", "remainder")):
         for t in tensors:
             if t is not None and not t.is_contiguous():
                 return None

@@ -366,6 +366,10 @@ def _layout(
             (_SCALAR if aux_scalar else s, d if aux_dtype is None else aux_dtype, dev)
             for (s, dev), d in zip(psig, ptypes)
         ]
+    if ok and len(unit) > 2:  # "remainder"'s tie bits
+        from mpfunc.strategies import _remainder
+
+        ok = all(_remainder.tie_problem(t, p) is None for t, p in zip(unit[2], faces))
     kinds = _moment_kinds(moments) if moments else {torch.float32}
     ok = ok and len(kinds) == 1 and kinds <= _SERVED
     mdtype = next(iter(kinds))
@@ -421,6 +425,7 @@ def _layout(
     shapes = tuple(s for s, _ in psig)
     types = tuple(tuple(t.dtype for t in f) for f in dests)
     aux = ["scalar" if aux_scalar else "face"] if len(unit) > 1 else []
+    aux += ["ties"] if len(unit) > 2 else []
     extents = ["face", *aux, *extents, "scalar"]
     dests += model
     layout = (tuple(order), shapes, grad_dtypes, low_dtypes, device, strategy, types)
@@ -492,6 +497,12 @@ def _explain(
                         f"{fn}: at params[{i}].{x._fields[1]}: expected {short(want[1])} of "
                         f"shape {tuple(want[0])} on {p.device}, got {desc(t)}"
                     )
+            if len(x) > 2:
+                from mpfunc.strategies import _remainder
+
+                problem = _remainder.tie_problem(x[2], p)
+                if problem is not None:
+                    raise ValueError(f"{fn}: at params[{i}].{x._fields[2]}: {problem}")
         if p.device.type != "xla" or p.device != device:
             where("params", i, f"a tensor on the group's XLA device ({device})", desc(p))
         g = grads[i]
@@ -591,6 +602,10 @@ class _B:
             shape: Sequence[int] = group.shapes[leaf]
             if extent == "scalar":
                 shape = ()
+            elif extent == "ties":
+                from mpfunc.strategies import _remainder
+
+                shape = _remainder.tie_shape(shape)
             elif extent == "blocks":
                 shape = (-(-math.prod(shape) // 32),)
             elif extent == "packed":  # 4-bit codes, two a byte
@@ -626,7 +641,8 @@ class _B:
         if s == "remainder":
             from mpfunc.strategies import _remainder
 
-            return _remainder._join_ops(self.xb, self.builder, unit[0], unit[1])
+            shape = group.shapes[i]
+            return _remainder._join_ops(self.xb, self.builder, unit[0], unit[1], unit[2], shape)
         x = self.to(unit[0], dtype, f32)
         # Kahan: ``param.float().add_(compensation.float())``.
         return x + self.to(unit[1], dtype, f32) if s == "kahan" else x
@@ -640,8 +656,8 @@ class _B:
         if s == "remainder":
             from mpfunc.strategies import _remainder
 
-            param, rem = _remainder._split_ops(self.xb, self.builder, x)
-            return [self.keep(skip, unit[0], param), self.keep(skip, unit[1], rem)]
+            outs = _remainder._split_ops(self.xb, self.builder, x, group.shapes[i])
+            return [self.keep(skip, old, new) for old, new in zip(unit, outs)]
         if s == "stochastic":
             key = unit[1]
             param = self.round_stochastic(x, self.bits(key, group.shapes[i]))

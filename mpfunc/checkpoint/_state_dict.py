@@ -412,20 +412,26 @@ def _keys_of(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
+TIES_SUFFIX = "#ties"  # a sidecar's key for a param's tie bits: "<name>#ties"
+
+
 def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
-    """The int16 remainders of ``"remainder"`` masters as a CPU ``state_dict``: the small
-    sidecar that makes a model's own bf16 ``state_dict`` a lossless fp32 checkpoint.
+    """The int16 remainders and uint8 tie bits of ``"remainder"`` masters as a CPU
+    ``state_dict``: the small sidecar that makes a model's own bf16 ``state_dict`` a
+    lossless fp32 checkpoint (2.125 bytes per param).
 
     Save it beside ``model.state_dict()``; ``masters_from_remainders`` rebuilds the exact
-    fp32 masters from the two (keys are the parameter names).
+    fp32 masters from the two. Keys are the parameter names (the remainders) and the
+    names with ``"#ties"`` appended (the tie bits).
     """
     side, _ = _strategy.master_leaves("remainders_state_dict", "masters", masters)
     keys = _tree.leaf_paths(masters, units=True)
-    return {
-        k: leaf.remainder.detach().cpu().clone()
-        for k, leaf in zip(keys, side.leaves)
-        if isinstance(leaf, RemainderMaster)
-    }
+    out: dict[str, torch.Tensor] = {}
+    for k, leaf in zip(keys, side.leaves):
+        if isinstance(leaf, RemainderMaster):
+            out[k] = leaf.remainder.detach().cpu().clone()
+            out[k + TIES_SUFFIX] = leaf.ties.detach().cpu().clone()
+    return out
 
 
 def masters_from_remainders(
@@ -435,23 +441,31 @@ def masters_from_remainders(
 
     Args:
       params: ``{name: bf16 tensor}``, e.g. ``model.state_dict()`` or a file of it.
-      remainders: ``{name: int16 tensor}`` from ``remainders_state_dict``; every key must
-        be in ``params``.
+      remainders: the sidecar from ``remainders_state_dict``: ``{name: int16 tensor}``
+        and ``{name + "#ties": uint8 tensor}``; every name must be in ``params``. A
+        sidecar without tie bits (written before mpfunc kept them, beside params rounded
+        ties away from zero) is read by that rule.
 
     Returns:
-      ``{name: fp32 tensor}`` for every key of ``remainders``, bit-identical to the
-      masters that were saved (``masters_state_dict``).
+      ``{name: fp32 tensor}`` for every remainder, bit-identical to the masters that were
+      saved (``masters_state_dict``).
 
     Raises:
-      KeyError: a remainder has no param. TypeError, ValueError: dtypes or shapes differ.
+      KeyError: a remainder has no param, or tie bits have no remainder. TypeError,
+        ValueError: dtypes or shapes differ.
     """
     fn = "masters_from_remainders"
-    missing = sorted(set(remainders) - set(params))
+    names = [k for k in remainders if not k.endswith(TIES_SUFFIX)]
+    missing = sorted(set(names) - set(params))
     if missing:
         raise KeyError(f"{fn}: remainders {missing[:5]} have no param of the same name")
+    orphans = sorted(k for k in remainders if k.endswith(TIES_SUFFIX) and
+                     k[: -len(TIES_SUFFIX)] not in remainders)  # fmt: skip
+    if orphans:
+        raise KeyError(f"{fn}: tie bits {orphans[:5]} have no remainder of the same name")
     out = {}
-    for k, r in remainders.items():
-        p = params[k]
+    for k in names:
+        r, p = remainders[k], params[k]
         if not isinstance(p, torch.Tensor) or p.dtype != torch.bfloat16:
             raise TypeError(
                 f"{fn}: {k!r}: expected a torch.bfloat16 param, got {_checks.describe(p)}"
@@ -461,7 +475,15 @@ def masters_from_remainders(
                 f"{fn}: {k!r}: expected a torch.int16 remainder of shape {tuple(p.shape)}, got "
                 f"{_checks.describe(r)}"
             )
-        out[k] = _remainder.join(p.detach().cpu(), r.detach().cpu())
+        p, r = p.detach().cpu(), r.detach().cpu()
+        t = remainders.get(k + TIES_SUFFIX)
+        if t is None:  # a sidecar from before tie bits
+            out[k] = _remainder.join_ties_away(p, r)
+            continue
+        problem = _remainder.tie_problem(t, p) if isinstance(t, torch.Tensor) else None
+        if problem is not None or not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: {k + TIES_SUFFIX!r}: {problem or 'expected a tensor'}")
+        out[k] = _remainder.join(p, r, t.detach().cpu())
     return out
 
 

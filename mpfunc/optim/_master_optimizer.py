@@ -37,6 +37,7 @@ from mpfunc.core._optimizer import Optimizer
 from mpfunc.optim._adam import adamw
 from mpfunc.optim._migrate import native_factory
 from mpfunc.parallel import _sharding
+from mpfunc.strategies import _remainder
 from mpfunc.strategies._strategy import STRATEGIES
 from mpfunc.transforms import _step_in_backward
 from mpfunc.transforms._apply_update import apply_update_
@@ -106,6 +107,23 @@ def _entry(state: Any, j: int, master: Any) -> dict[str, Any]:
 def _version(m: Any) -> int:
     """An "fp32" master's version counter; -1 for none or another strategy's unit."""
     return m._version if isinstance(m, torch.Tensor) else -1
+
+
+def _untied(
+    fn: str, where: str, entry: Mapping[str, Any], param: torch.Tensor
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """A ``"remainder"`` entry saved before tie bits (a ``remainder`` but no ``ties``) as
+    today's: the master its remainder and the model's param held (ties away from zero)
+    split again. Returns the entry and the param's new value (nearest even)."""
+    r = entry.get("remainder")
+    if not isinstance(r, torch.Tensor) or r.dtype != torch.int16 or r.shape != param.shape:
+        _checks.fail(
+            ValueError, fn, f"{where}['remainder']",
+            f"torch.int16 tensor of shape {tuple(param.shape)}", _checks.describe(r),
+        )  # fmt: skip
+    master = _remainder.join_ties_away(param.detach().cpu(), r.detach().cpu())
+    rounded, remainder, ties = _remainder.split(master)
+    return {**entry, "remainder": remainder, "ties": ties}, rounded
 
 
 def _extend(state: Any, n: int) -> None:
@@ -662,6 +680,7 @@ class MasterOptimizer(torch.optim.Optimizer):
                 made[j] = self._made(j)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        rewrites: list[tuple[torch.Tensor, torch.Tensor]] = []
         saved_at = {j: k for k, j in index.items()}
         for j, p in enumerate(self._params):
             live: dict[str, Any] | None
@@ -676,6 +695,11 @@ class MasterOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{fn}: {where}: expected no state (a frozen param), got "
                                      f"{sorted(entry)}")  # fmt: skip
                 continue
+            if set(live) - set(entry) == {"ties"} and set(entry) <= set(live):
+                # A "remainder" entry saved before tie bits: its pair with the model's param
+                # (loaded first) is the master; split it again by today's rule.
+                entry, rounded = _untied(fn, where, entry, self._params[j])
+                rewrites.append((self._params[j], rounded))
             if set(entry) != set(live):
                 raise ValueError(
                     f"{fn}: {where}: expected the keys {sorted(live)}, got {sorted(entry)}"
@@ -694,6 +718,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         for j, pair in made.items():
             self._adopt(j, pair)  # the tensors of dst become its state
         _plan.copy_grouped_(dst, src)
+        with torch.no_grad():
+            for p, rounded in rewrites:  # params of old "remainder" entries, nearest even
+                p.detach().copy_(rounded.to(p.device))
         for group, saved in zip(self.param_groups, saved_groups):
             saved["params"] = group["params"]
             if "param_names" in group:

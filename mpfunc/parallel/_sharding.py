@@ -62,14 +62,17 @@ def _on_xla(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "xla"
 
 
-def like_(new: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def like_(new: torch.Tensor, src: torch.Tensor, *, same_rank: bool = False) -> torch.Tensor:
     """Gives ``new`` the SPMD sharding of ``src`` and returns it.
 
     A no-op (``new`` is returned as is) unless SPMD is on, both are XLA tensors of one
-    shape, and ``src`` carries a sharding. Annotating a tensor that is not yet computed
-    (as ``zeros_like`` returns it) only records the annotation: nothing moves.
+    shape (with ``same_rank``: of one rank, each dim split the same way, as a packed
+    buffer beside its param), and ``src`` carries a sharding. Annotating a tensor that is
+    not yet computed (as ``zeros_like`` returns it) only records the annotation: nothing
+    moves.
     """
-    if not (active() and _on_xla(new) and _on_xla(src) and new.shape == src.shape):
+    fits = new.dim() == src.dim() if same_rank else new.shape == src.shape
+    if not (active() and _on_xla(new) and _on_xla(src) and fits):
         return new
     xlac = _xlac()
     op = xlac._get_xla_op_sharding(src)

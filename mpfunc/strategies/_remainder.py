@@ -1,46 +1,43 @@
-"""An fp32 master held exactly as its bf16 param plus a 16-bit remainder.
+"""An fp32 master held exactly as its bf16 param, a 16-bit remainder and a tie bit.
 
 bf16 is the top half of fp32 (same sign, same 8-bit exponent, 7 of the 23 mantissa
 bits), so the 16 bits that rounding drops can be kept beside the param and the
 master rebuilt bit for bit::
 
-    param, remainder = split(master)      # bf16, int16; 2 + 2 bytes
-    join(param, remainder)                # the same 32 bits as master, always
+    param, remainder, ties = split(master)   # bf16, int16, uint8 bits; 2 + 2 + 1/8 bytes
+    join(param, remainder, ties)              # the same 32 bits as master, always
 
-**The encoding.** ``remainder`` is the master's low 16 bits, unchanged. ``param`` is
-the master rounded to nearest with ties *away from zero* (IEEE roundTiesToAway),
-computed on the magnitude bits; ``join`` undoes it: the rounding went up exactly
-when the remainder's top bit is set. Two rules cover the fp32 NaNs (below). Every
-one of the 2^32 patterns round-trips (``python -m bench.remainder`` checks all
-of them), so ``split`` is a bijection and ``join`` accepts any pair.
+**The encoding.** ``param`` is ``master.to(torch.bfloat16)``: round to nearest, ties to
+even, for every master that is not a NaN (subnormals, +-0, +-inf and the overflow to
+inf above bf16's largest finite included). ``remainder`` is the master's low 16 bits,
+unchanged. The rounding went up exactly when the remainder's top bit is set, except at
+an exact tie (low half ``0x8000``), where either neighbour is possible: the high half
+``h`` rounds to ``h`` if even and to ``h + 1`` if odd, so an even param ``p`` stands for
+``p`` or ``p - 1`` (the carry into the exponent at ``p - 1`` is plain integer arithmetic
+on the magnitude bits). The **tie bit** says which: set where a tie rounded up. No 16-bit
+remainder can do without it (each even bf16 value is the nearest-even rounding of 65,537
+fp32 patterns; a remainder tells 65,536 apart).
 
-**Where the param is not ``master.to(torch.bfloat16)``.** Only here:
+**NaNs** keep a NaN param with the master's sign: its top 7 payload bits where the
+payload reaches the high half, and the quiet NaN (``0x7FC0``) with the tie bit set for
+the NaNs whose payload lies wholly in the low half (``0x7F800001..0x7F80FFFF`` and the
+negatives), whose high half is that of inf. ``Tensor.to`` gives the canonical NaN
+instead: the payload is the one difference.
 
-* *Ties toward an even neighbour*: low 16 bits exactly ``0x8000`` and the high half
-  even. Round-to-nearest-even rounds down to the even pattern; this param is the
-  next pattern up, one bf16 ulp away. 16,320 patterns per sign, 2^-17 of random bits.
-  No 16-bit remainder can avoid it: it tells apart 65,536 masters per param value,
-  and each even nonzero finite bf16 value is the nearest-even rounding of 65,537
-  (both ties), so one of them needs another param (at least 16,319 patterns per
-  sign; this encoding also moves the tie at 2^-134 to keep a single rule). A loop
-  that rounds its params with ``Tensor.to`` therefore differs from this one in the
-  last bit of a few params per step, and its trajectory drifts from there.
-* *NaNs*: a NaN param with the master's sign and top 7 payload bits (``Tensor.to``
-  gives the canonical NaN) for every NaN whose payload reaches the high half. The
-  NaNs whose payload lies wholly in the low 16 bits (``0x7F800001..0x7F80FFFF`` and
-  the negatives) get inf (``..7FFF``) or zero (``0x7F808000..``), with their sign.
-  Also forced: bf16 has 127 NaN patterns per sign, room for 127 * 65,536 masters,
-  and fp32 has 128 * 65,536 - 1 NaNs. The 65,535 left over can only go where
-  rounding leaves room: inf (0x7FFF free remainders) and zero (0x8000).
+**The tie bits' container** is a uint8 tensor of ``tie_shape(param.shape)``: packed along
+the last dim, byte ``[..., j // 8]`` bit ``j % 8`` for element ``[..., j]`` (a row's last
+byte padded with zeros); a 0-d param has one 0-d byte. Packing along the last dim keeps
+every other dim as the param's, so a dim-0 split (FSDP2, SPMD) cuts the param and its
+bits alike; splitting the last dim does so only in chunks of a multiple of 8. Bits are
+set only at ties that rounded up and at the low-payload NaNs, so ``split`` writes one
+canonical triple per master; ``join(*split(m))`` is ``m`` for all 2^32 patterns
+(``python -m bench.remainder`` checks every one).
 
-Finite masters above bf16's largest finite (``0x7F7F8000..0x7F7FFFFF``) get an inf
-param, as with ``Tensor.to``, and the remainder still rebuilds them exactly;
-subnormals, ±0 and ±inf get exactly ``Tensor.to``'s param.
-
-The param and the remainder are a pair: write the param only through ``split`` /
-``split_``. A param written by ``Tensor.to`` or ``masters_to_model_`` is one pattern
-lower at the ties above, and ``join`` would then return a master 65,536 ulps lower.
-Every pair is a valid encoding, so nothing can detect that afterwards.
+The param and its remainder and bits are one value: write the param only through
+``split`` / ``split_`` (or a step). A param written by ``Tensor.to`` is the same param
+wherever the master is not a NaN, so ``masters_to_model_`` of the joined master leaves
+the triple valid. Pairs written by mpfunc before the tie bit (params rounded ties away
+from zero) are read by ``join_ties_away`` (checkpoints; see ``checkpoint._state_dict``).
 
 **fp16 params** cannot hold an exact fp32 master in 16 more bits (see
 ``unsupported_hint``).
@@ -48,11 +45,12 @@ Every pair is a valid encoding, so nothing can detect that afterwards.
 On CPU and CUDA the bits are reinterpreted with ``Tensor.view(dtype)`` and rounded in
 int32 arithmetic, op by op. On XLA ``view(dtype)`` is not lowered (torch_xla 2.9
 runs ``aten::view_copy.dtype`` on the host), so a list of leaves becomes one XLA
-computation (``BitcastConvert`` plus the same integer ops), built once per list of
-shapes and called with ``torch_xla._XLAC._xla_user_computation``: one node, no host
-transfer, no ``aten::`` fallback. (torch_xla 2.9 on XLA:CPU canonicalizes bf16 NaN
-payloads written into a *view* with ``copy_``; a NaN param that is a view keeps its
-NaN-ness and sign but not its payload there. Nothing else is changed.)
+computation (``BitcastConvert`` plus the same integer ops, the bits packed with slices
+and shifts), built once per list of shapes and called with
+``torch_xla._XLAC._xla_user_computation``: one node, no host transfer, no ``aten::``
+fallback. (torch_xla 2.9 on XLA:CPU canonicalizes bf16 NaN payloads written into a
+*view* with ``copy_``; a NaN param that is a view keeps its NaN-ness and sign but not
+its payload there. Nothing else is changed.)
 
 See docs/design.md#the-remainder-encoding.
 """
@@ -71,11 +69,17 @@ __all__ = [
     "MASTER_DTYPE",
     "PARAM_DTYPE",
     "REMAINDER_DTYPE",
+    "TIE_DTYPE",
     "clear_cache",
     "join",
     "join_",
+    "join_ties_away",
+    "pack_ties",
     "split",
     "split_",
+    "tie_problem",
+    "tie_shape",
+    "unpack_ties",
     "unsupported_hint",
 ]
 
@@ -83,15 +87,46 @@ MASTER_DTYPE = torch.float32
 PARAM_DTYPE = torch.bfloat16
 REMAINDER_DTYPE = torch.int16
 
-# The master's magnitude bits shifted right by 15: its high half (15 bits) and the
-# rounding bit (bit 15). At or above _G_TRUNC the master is a NaN with payload in the
-# high half: the param keeps that half. _G_ZERO is a NaN whose payload lies in the low
-# half with bit 15 set: the rounding would carry it into a NaN pattern that the NaNs
-# above already fill, so its param is zero, which has room (see the module docstring).
-_G_TRUNC = 0xFF02  # high half >= 0x7F81
-_G_ZERO = 0xFF01  # high half == 0x7F80, rounding bit set
 _INF_HIGH = 0x7F80  # bf16 inf's magnitude bits
+_QNAN_HIGH = 0x7FC0  # the param of a NaN whose payload lies wholly in the low half
 _SIGN32 = -(2**31)  # int32 0x80000000
+TIE_DTYPE = torch.uint8
+
+
+def tie_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the tie bits of a param of ``shape``: packed along the last dim, one
+    byte per 8 elements of a row (``ceil(n / 8)``); a 0-d param has one 0-d byte."""
+    shape = tuple(shape)
+    if not shape:
+        return ()
+    return (*shape[:-1], (shape[-1] + 7) // 8)
+
+
+def pack_ties(bits: torch.Tensor) -> torch.Tensor:
+    """0/1 integers of a param's shape -> its uint8 tie bytes (``tie_shape``): element
+    ``[..., j]`` is bit ``j % 8`` of byte ``[..., j // 8]``."""
+    shape = tuple(bits.shape)
+    row = bits.reshape(*shape[:-1], shape[-1]) if shape else bits.reshape(1)
+    n = row.shape[-1]
+    pad = (-n) % 8
+    if pad:
+        row = torch.nn.functional.pad(row, (0, pad))
+    row = row.reshape(*row.shape[:-1], -1, 8).to(torch.int32)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=row.device)
+    packed = (row * weights).sum(-1, dtype=torch.int32).to(TIE_DTYPE)
+    return packed.reshape(tie_shape(shape))
+
+
+def unpack_ties(ties: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """uint8 tie bytes -> 0/1 int32 values of the param's ``shape`` (``pack_ties``'s
+    inverse; the padding bits of a row's last byte are dropped)."""
+    shape = tuple(shape)
+    row = ties.reshape(1) if not shape else ties
+    shifts = torch.arange(8, dtype=torch.int32, device=ties.device)
+    out = row.to(torch.int32).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
+    out = out.reshape(*row.shape[:-1], -1)
+    n = shape[-1] if shape else 1
+    return out[..., :n].reshape(shape)
 
 
 def unsupported_hint(dtype: torch.dtype) -> str:
@@ -122,32 +157,59 @@ def unsupported_hint(dtype: torch.dtype) -> str:
 # --- CPU and CUDA: bit views and int32 arithmetic -----------------------------------------
 
 
-def _split_bits(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_bits(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int32 bits of fp32 masters -> the param's int16 bits and the remainder, each as an
-    int32 tensor of values in [-2**15, 2**15) (so that the cast to int16 is exact).
+    int32 tensor of values in [-2**15, 2**15) (so that the cast to int16 is exact), and
+    the tie bit (0 or 1, int32).
 
     Every op is int32 with int32 masks (``(v - k) >> 31`` is -1 where ``v < k``, else 0):
     ``torch.where``, ``masked_fill_`` and bool masks run 3-80x slower than a bitwise op on
     the CPU (torch 2.9)."""
-    g = torch.bitwise_and(b, 0x7FFF_FFFF).bitwise_right_shift_(15)  # in [0, 0xFFFF]
-    # The rounding bit, except for NaNs with a high payload (g >= _G_TRUNC): they keep it.
-    up = torch.sub(g, _G_TRUNC).bitwise_right_shift_(31).bitwise_and_(g).bitwise_and_(1)
-    # NaNs with a low payload and the rounding bit set (g == _G_ZERO) would carry into
-    # 0x7F81, which the NaNs above fill already: their param is zero, which has room.
-    keep = torch.bitwise_xor(g, _G_ZERO).sub_(1).bitwise_right_shift_(31).bitwise_not_()
-    mag = g.bitwise_right_shift_(1).add_(up).bitwise_and_(keep)  # nearest, ties away
+    mag32 = torch.bitwise_and(b, 0x7FFF_FFFF)
+    high = torch.bitwise_right_shift(mag32, 16)
+    odd = torch.bitwise_and(high, 1)
+    # Round to nearest even on the magnitude (no overflow up to 0x7F800000, inf).
+    rounded = torch.add(mag32, odd).add_(0x7FFF).bitwise_right_shift_(16)
+    nan = torch.rsub(mag32, 0x7F80_0000).bitwise_right_shift_(31)  # -1 where a NaN
+    # NaNs whose payload lies wholly in the low half: the quiet NaN param, tie bit set.
+    lownan = torch.bitwise_xor(high, _INF_HIGH).sub_(1).bitwise_right_shift_(31)
+    lownan.bitwise_and_(nan)
+    nanmag = lownan.bitwise_and(_QNAN_HIGH - _INF_HIGH).add_(high)
+    mag = rounded.bitwise_and_(torch.bitwise_not(nan)).bitwise_or_(nanmag.bitwise_and_(nan))
+    # The tie bit: an exact tie (low half 0x8000) that rounded up (high half odd), or
+    # the low-payload NaNs.
+    low = torch.bitwise_and(b, 0xFFFF)
+    tie = low.bitwise_xor_(0x8000).sub_(1).bitwise_right_shift_(31).bitwise_and_(odd)
+    tie.bitwise_and_(nan.bitwise_not_()).bitwise_or_(lownan.bitwise_and_(1))
     # The sign: bit 31 of b is bit 15 of b >> 16 with either kind of shift.
     param = mag.sub_(torch.bitwise_right_shift(b, 16).bitwise_and_(0x8000))
     remainder = torch.bitwise_left_shift(b, 16).bitwise_right_shift_(16)  # low half, signed
-    return param, remainder
+    return param, remainder, tie
 
 
-def _join_bits(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The param's int16 bits and the remainder, widened to int32 -> the master's bits."""
+def _join_bits(p: torch.Tensor, r: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The param's int16 bits, the remainder (widened to int32) and the tie bit (0 or 1,
+    int32) -> the master's bits."""
     mag = torch.bitwise_and(p, 0x7FFF)
     low = torch.bitwise_and(r, 0xFFFF)
-    # Undo the rounding: it went up exactly when the remainder's top bit is set, unless
-    # the param is a NaN (mag > _INF_HIGH), which kept its high half.
+    finite = torch.sub(mag, _INF_HIGH + 1).bitwise_right_shift_(31)  # -1 unless a NaN
+    # Undo the rounding: it went up where the remainder's top bit is set, except at an
+    # exact tie (0x8000), where the tie bit says.
+    tie_at = torch.bitwise_xor(low, 0x8000).sub_(1).bitwise_right_shift_(31)
+    up = tie_at.bitwise_not_().bitwise_or_(t).bitwise_and_(torch.bitwise_right_shift(low, 15))
+    high = torch.sub(mag, up).bitwise_and_(finite)
+    # A NaN param kept its high half, or stands for a NaN of high half 0x7F80 (tie bit).
+    nan_high = torch.rsub(mag, _INF_HIGH).bitwise_and_(torch.neg(t)).add_(mag)
+    high.bitwise_or_(nan_high.bitwise_and_(finite.bitwise_not_()))
+    return high.bitwise_left_shift_(16).bitwise_or_(low).bitwise_or_(p & _SIGN32)
+
+
+def _join_bits_away(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The master's bits from a pair written by mpfunc before tie bits (params rounded
+    ties away from zero; a NaN with a low payload had an inf or zero param): reads
+    old checkpoints."""
+    mag = torch.bitwise_and(p, 0x7FFF)
+    low = torch.bitwise_and(r, 0xFFFF)
     finite = torch.sub(mag, _INF_HIGH + 1).bitwise_right_shift_(31)  # -1 unless a NaN
     high = mag.sub_(finite.bitwise_and_(low).bitwise_right_shift_(15))
     # -1 only from a zero param with the top bit set: the low-payload NaNs, high 0x7F80.
@@ -155,14 +217,26 @@ def _join_bits(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return high.bitwise_left_shift_(16).bitwise_or_(low).bitwise_or_(p & _SIGN32)
 
 
-def _split_eager(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    param, remainder = _split_bits(master.view(torch.int32))
-    return param.to(torch.int16).view(PARAM_DTYPE), remainder.to(REMAINDER_DTYPE)
+def _split_eager(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    param, remainder, tie = _split_bits(master.view(torch.int32))
+    return (
+        param.to(torch.int16).view(PARAM_DTYPE),
+        remainder.to(REMAINDER_DTYPE),
+        pack_ties(tie),
+    )
 
 
-def _join_eager(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+def _join_eager(param: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     p = param.view(torch.int16).to(torch.int32)
-    return _join_bits(p, remainder.to(torch.int32)).view(MASTER_DTYPE)
+    t = unpack_ties(ties, param.shape)
+    return _join_bits(p, remainder.to(torch.int32), t).view(MASTER_DTYPE)
+
+
+def join_ties_away(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a (param, remainder) pair written before tie bits (CPU; old
+    checkpoints). Split it again to get the pair and tie bits of today's encoding."""
+    p = param.view(torch.int16).to(torch.int32)
+    return _join_bits_away(p, remainder.to(torch.int32)).view(MASTER_DTYPE)
 
 
 # --- XLA: one computation per list of shapes ----------------------------------------------
@@ -178,38 +252,81 @@ def _xb() -> Any:
     return xb
 
 
-def _split_ops(xb: Any, builder: Any, master: Any) -> tuple[Any, Any]:
-    """``_split_bits``'s function as XLA ops on one fp32 operand: (bf16 param, s16
-    remainder). Selects instead of int masks (XLA fuses either); right shifts as
-    divisions of non-negative values, since torch_xla 2.9's builder spells its only
-    right shift "ShifRight", a name a fix would break. The tests compare the bits."""
+def _pack_ops(xb: Any, builder: Any, bits: Any, shape: tuple[int, ...]) -> Any:
+    """``pack_ties`` as XLA ops: s32 0/1 values of ``shape`` -> u8 of ``tie_shape``."""
+    rows, n = list(shape[:-1]), (shape[-1] if shape else 1)
+    c = (n + 7) // 8
+    x = bits.reshape([*rows, n])
+    if 8 * c > n:
+        zeros = xb.Op.scalar(builder, 0, dtype="s32").broadcast([*rows, 8 * c - n])
+        x = xb.Op.concat_in_dim([x, zeros], len(rows))
+    x = x.reshape([*rows, c, 8])
+    last = len(rows) + 1
+    acc = x.slice_in_dim(0, 1, last)
+    for j in range(1, 8):
+        acc = acc | (x.slice_in_dim(j, j + 1, last) << xb.Op.scalar(builder, j, dtype="s32"))
+    return acc.reshape(list(tie_shape(shape))).cast("u8")
+
+
+def _unpack_ops(xb: Any, builder: Any, ties: Any, shape: tuple[int, ...]) -> Any:
+    """``unpack_ties`` as XLA ops: u8 of ``tie_shape`` -> s32 0/1 values of ``shape``
+    (right shifts as divisions, see ``_split_ops``)."""
+    rows, n = list(shape[:-1]), (shape[-1] if shape else 1)
+    c = (n + 7) // 8
+    t = ties.cast("s32").reshape([*rows, c])
+    full = [*rows, c, 8]
+    t = t.broadcast_in_dim(full, list(range(len(rows) + 1)))
+    one = xb.Op.scalar(builder, 1, dtype="s32")
+    powers = one << xb.Op.iota(builder, xb.mkshape("s32", full), len(rows) + 1)
+    out = ((t / powers) & one).reshape([*rows, 8 * c])
+    if 8 * c > n:
+        out = out.slice_in_dim(0, n, len(rows))
+    return out.reshape(list(shape))
+
+
+def _split_ops(xb: Any, builder: Any, master: Any, shape: tuple[int, ...]) -> tuple[Any, Any, Any]:
+    """``_split_bits``'s function as XLA ops on one fp32 operand of ``shape``: (bf16 param,
+    s16 remainder, u8 tie bytes). Selects instead of int masks (XLA fuses either); right
+    shifts as divisions of non-negative values, since torch_xla 2.9's builder spells its
+    only right shift "ShifRight", a name a fix would break. The tests compare the bits."""
 
     def k(v: int) -> Any:
         return xb.Op.scalar(builder, v, dtype="s32")
 
     b = master.bitcast("s32")
-    g = (b & k(0x7FFF_FFFF)) / k(1 << 15)
-    high = g / k(2)
-    mag = high + (g & k(1))
-    mag = (g >= k(_G_TRUNC)).select(high, mag)
-    mag = (g == k(_G_ZERO)).select(mag.zeros_like(), mag)
+    mag32 = b & k(0x7FFF_FFFF)
+    high = mag32 / k(1 << 16)
+    low = b & k(0xFFFF)
+    odd = high & k(1)
+    rounded = (mag32 + odd + k(0x7FFF)) / k(1 << 16)
+    nan = mag32 > k(0x7F80_0000)
+    lownan = nan & (high == k(_INF_HIGH))
+    mag = nan.select(lownan.select(high.scalar_like(_QNAN_HIGH), high), rounded)
+    zero = odd.zeros_like()
+    tie = nan.select(lownan.select(odd.ones_like(), zero), (low == k(0x8000)).select(odd, zero))
     param = (b < k(0)).select(mag - k(0x8000), mag)
-    remainder = ((b & k(0xFFFF)) ^ k(0x8000)) - k(0x8000)
-    return param.cast("s16").bitcast("bf16"), remainder.cast("s16")
+    remainder = (low ^ k(0x8000)) - k(0x8000)
+    ties = _pack_ops(xb, builder, tie, shape)
+    return param.cast("s16").bitcast("bf16"), remainder.cast("s16"), ties
 
 
-def _join_ops(xb: Any, builder: Any, param: Any, remainder: Any) -> Any:
-    """``_join_bits``'s function as XLA ops: a bf16 param and an s16 remainder -> the f32
-    master (written as ``_split_ops``)."""
+def _join_ops(
+    xb: Any, builder: Any, param: Any, remainder: Any, ties: Any, shape: tuple[int, ...]
+) -> Any:
+    """``_join_bits``'s function as XLA ops: a bf16 param, an s16 remainder and the u8 tie
+    bytes of ``shape`` -> the f32 master (written as ``_split_ops``)."""
 
     def k(v: int) -> Any:
         return xb.Op.scalar(builder, v, dtype="s32")
 
     p = param.bitcast("s16").cast("s32")
+    t = _unpack_ops(xb, builder, ties, shape)
     low = remainder.cast("s32") & k(0xFFFF)
     mag = p & k(0x7FFF)
-    high = (mag > k(_INF_HIGH)).select(mag, mag - low / k(1 << 15))
-    high = (high < k(0)).select(high.scalar_like(_INF_HIGH), high)
+    roundbit = low / k(1 << 15)
+    up = (low == k(0x8000)).select(t, roundbit)
+    nan_high = (t == k(1)).select(mag.scalar_like(_INF_HIGH), mag)
+    high = (mag > k(_INF_HIGH)).select(nan_high, mag - up)
     bits = (p & k(_SIGN32)) | (high << k(16)) | low
     return bits.bitcast("f32")
 
@@ -234,10 +351,11 @@ def _computation(kind: str, shapes: tuple[tuple[int, ...], ...]) -> Any:
 
     for shape in shapes:
         if kind == "split":
-            outs.extend(_split_ops(xb, builder, param("f32", shape)))
+            outs.extend(_split_ops(xb, builder, param("f32", shape), shape))
         else:
             p = param("bf16", shape)
-            outs.append(_join_ops(xb, builder, p, param("s16", shape)))
+            r = param("s16", shape)
+            outs.append(_join_ops(xb, builder, p, r, param("u8", tie_shape(shape)), shape))
     comp = xb.Op.tuple(outs).build(f"mpfunc_remainder_{kind}")
     with _lock:
         if len(_cache) >= _CACHE_SIZE:
@@ -300,71 +418,110 @@ def _side(fn: str, name: str, tensors: Any) -> _checks.Side:
     return side
 
 
+def tie_problem(ties: Any, like: torch.Tensor) -> str | None:
+    """What is wrong with ``ties`` as the tie bytes of a param or master ``like``, or None."""
+    want = tie_shape(like.shape)
+    if (
+        isinstance(ties, torch.Tensor)
+        and ties.layout is torch.strided
+        and ties.dtype == TIE_DTYPE
+        and tuple(ties.shape) == want
+        and ties.device == like.device
+    ):
+        return None
+    return (
+        f"expected a torch.uint8 tensor of shape {want} on {like.device} (the tie bits of a "
+        f"tensor of shape {tuple(like.shape)}, 8 a byte along the last dim), got "
+        f"{_checks.describe(ties)}"
+    )
+
+
+def _check_ties(fn: str, ref: _checks.Side, ties: _checks.Side) -> None:
+    for i, (r, t) in enumerate(zip(ref.leaves, ties.leaves)):
+        if r is None and t is None:
+            continue
+        problem = "expected None (its pair is None)" if r is None else tie_problem(t, r)
+        if problem is not None:
+            raise ValueError(f"{fn}: at {ties.path(i)!r}: {problem}")
+
+
 def _check_split(
-    fn: str, masters: _checks.Side, params: Optional[_checks.Side], rems: Optional[_checks.Side]
+    fn: str,
+    masters: _checks.Side,
+    outs: Optional[tuple[_checks.Side, _checks.Side, _checks.Side]],
 ) -> None:
     """Masters, and the outputs ``split_`` writes (``None`` for ``split``, which makes its own)."""
     _checks.check_leaf_dtypes(fn, masters, (MASTER_DTYPE,), "a torch.float32 master")
-    if params is None or rems is None:
+    if outs is None:
         return
-    _lengths(fn, masters, (params, rems))
+    params, rems, ties = outs
+    _lengths(fn, masters, outs)
     _check_param_dtypes(fn, params)
     like = _checks.Like("the master's", (PARAM_DTYPE,), "a torch.bfloat16 param")
     _checks.check_pairs(fn, masters, params, like)
     _checks.check_pairs(fn, masters, rems, _REMAINDER._replace(role="the master's"))
-    _checks.check_writable(fn, (params, rems))
-    _checks.check_no_alias(fn, (params, rems), (masters,))
+    _check_ties(fn, masters, ties)
+    _checks.check_writable(fn, outs)
+    _checks.check_no_alias(fn, outs, (masters,))
 
 
 def _check_join(
-    fn: str, params: _checks.Side, rems: _checks.Side, masters: Optional[_checks.Side]
+    fn: str,
+    params: _checks.Side,
+    rems: _checks.Side,
+    ties: _checks.Side,
+    masters: Optional[_checks.Side],
 ) -> None:
-    """Params and remainders, and the masters ``join_`` writes (``None`` for ``join``)."""
-    _lengths(fn, params, (rems,))
+    """Params, remainders and tie bits, and the masters ``join_`` writes (``None`` for
+    ``join``)."""
+    _lengths(fn, params, (rems, ties))
     _check_param_dtypes(fn, params)
     _checks.check_pairs(fn, params, rems, _REMAINDER)
+    _check_ties(fn, params, ties)
     if masters is None:
         return
     _lengths(fn, params, (masters,))
     _checks.check_pairs(fn, params, masters, _MASTER)
     _checks.check_writable(fn, (masters,))
-    _checks.check_no_alias(fn, (masters,), (params, rems))
+    _checks.check_no_alias(fn, (masters,), (params, rems, ties))
 
 
 # --- the public forms ---------------------------------------------------------------------
 
 
-def split(master: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bf16 param and int16 remainder that hold ``master`` exactly.
+def split(master: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bf16 param, int16 remainder and uint8 tie bits that hold ``master`` exactly.
 
     Args:
         master: a float32 tensor (any shape and strides; CPU, CUDA or XLA).
 
     Returns:
-        ``(param, remainder)``: new tensors of ``master``'s shape, bfloat16 and int16.
-        ``param`` equals ``master.to(torch.bfloat16)`` except at the ties and NaNs
-        listed in the module docstring; ``join(param, remainder)`` has ``master``'s bits.
+        ``(param, remainder, ties)``: new tensors; the first two of ``master``'s shape,
+        bfloat16 and int16; ``ties`` uint8 of ``tie_shape(master.shape)``. ``param``
+        equals ``master.to(torch.bfloat16)`` for every non-NaN master;
+        ``join(param, remainder, ties)`` has ``master``'s bits.
 
     Raises:
         TypeError: ``master`` is not a dense float32 tensor.
     """
     fn = "split"
-    _check_split(fn, _single(fn, "master", master), None, None)
+    _check_split(fn, _single(fn, "master", master), None)
     if master.device.type == "xla":
-        param, remainder = _call_xla("split", [master], 1)
-        return param, remainder
+        param, remainder, ties = _call_xla("split", [master], 1)
+        return param, remainder, ties
     return _split_eager(master)
 
 
-def join(param: torch.Tensor, remainder: torch.Tensor, /) -> torch.Tensor:
-    """The fp32 master that ``param`` and ``remainder`` hold (the inverse of ``split``).
+def join(param: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor, /) -> torch.Tensor:
+    """The fp32 master that ``param``, ``remainder`` and ``ties`` hold (``split``'s inverse).
 
     Args:
         param: a bfloat16 tensor.
         remainder: an int16 tensor of ``param``'s shape, on its device.
+        ties: a uint8 tensor of ``tie_shape(param.shape)``, on its device.
 
     Returns:
-        A new float32 tensor. Every pair is valid: ``split(join(p, r)) == (p, r)``.
+        A new float32 tensor; ``join(*split(m))`` has ``m``'s bits for every ``m``.
 
     Raises:
         TypeError: a wrong dtype (an fp16 param, with the reason) or a non-tensor.
@@ -372,18 +529,19 @@ def join(param: torch.Tensor, remainder: torch.Tensor, /) -> torch.Tensor:
     """
     fn = "join"
     ps = _single(fn, "param", param)
-    _check_join(fn, ps, _single(fn, "remainder", remainder), None)
+    _check_join(fn, ps, _single(fn, "remainder", remainder), _single(fn, "ties", ties), None)
     if param.device.type == "xla":
-        return _call_xla("join", [param, remainder], 2)[0]
-    return _join_eager(param, remainder)
+        return _call_xla("join", [param, remainder, ties], 3)[0]
+    return _join_eager(param, remainder, ties)
 
 
 def split_(
     masters: Sequence[Optional[torch.Tensor]],
     params: Sequence[Optional[torch.Tensor]],
     remainders: Sequence[Optional[torch.Tensor]],
+    ties: Sequence[Optional[torch.Tensor]],
 ) -> None:
-    """Writes ``split(masters[i])`` into ``params[i]`` and ``remainders[i]``, for every i.
+    """Writes ``split(masters[i])`` into ``params[i]``, ``remainders[i]`` and ``ties[i]``.
 
     Pairs go by index; any strides (transposed, channels_last, sliced views). ``None``
     entries must line up and are skipped. Every check runs before the first write. On XLA
@@ -393,6 +551,7 @@ def split_(
         masters: float32 tensors.
         params: bfloat16 tensors of the masters' shapes and devices (written).
         remainders: int16 tensors of the masters' shapes and devices (written).
+        ties: uint8 tensors of ``tie_shape`` of the masters' shapes (written).
 
     Raises:
         TypeError: a wrong dtype (fp16 params, with the reason) or a non-tensor entry.
@@ -401,32 +560,36 @@ def split_(
     """
     fn = "split_"
     ms, ps = _side(fn, "masters", masters), _side(fn, "params", params)
-    rs = _side(fn, "remainders", remainders)
-    _check_split(fn, ms, ps, rs)
+    rs, ts = _side(fn, "remainders", remainders), _side(fn, "ties", ties)
+    _check_split(fn, ms, (ps, rs, ts))
     with torch.no_grad():
         for dev, idx in _by_device(ms.leaves).items():
             if dev.type == "xla":
                 outs = _call_xla("split", [ms.leaves[i] for i in idx], 1)
-                torch._foreach_copy_([ps.leaves[i] for i in idx], outs[0::2])
-                torch._foreach_copy_([rs.leaves[i] for i in idx], outs[1::2])
+                torch._foreach_copy_([ps.leaves[i] for i in idx], outs[0::3])
+                torch._foreach_copy_([rs.leaves[i] for i in idx], outs[1::3])
+                torch._foreach_copy_([ts.leaves[i] for i in idx], outs[2::3])
                 continue
             for i in idx:
-                param, remainder = _split_bits(ms.leaves[i].view(torch.int32))
+                param, remainder, tie = _split_bits(ms.leaves[i].view(torch.int32))
                 # Through int views: a float copy_ may canonicalize NaN payloads.
                 ps.leaves[i].view(torch.int16).copy_(param)
                 rs.leaves[i].copy_(remainder)
+                ts.leaves[i].copy_(pack_ties(tie))
 
 
 def join_(
     params: Sequence[Optional[torch.Tensor]],
     remainders: Sequence[Optional[torch.Tensor]],
+    ties: Sequence[Optional[torch.Tensor]],
     masters: Sequence[Optional[torch.Tensor]],
 ) -> None:
-    """Writes ``join(params[i], remainders[i])`` into ``masters[i]``, for every i.
+    """Writes ``join(params[i], remainders[i], ties[i])`` into ``masters[i]``, for every i.
 
     Args:
         params: bfloat16 tensors.
         remainders: int16 tensors of the params' shapes and devices.
+        ties: uint8 tensors of ``tie_shape`` of the params' shapes, on their devices.
         masters: float32 tensors of the params' shapes and devices (written).
 
     Raises:
@@ -436,17 +599,18 @@ def join_(
     """
     fn = "join_"
     ps, rs = _side(fn, "params", params), _side(fn, "remainders", remainders)
-    ms = _side(fn, "masters", masters)
-    _check_join(fn, ps, rs, ms)
+    ts, ms = _side(fn, "ties", ties), _side(fn, "masters", masters)
+    _check_join(fn, ps, rs, ts, ms)
     with torch.no_grad():
         for dev, idx in _by_device(ps.leaves).items():
             if dev.type == "xla":
-                inputs = [t for i in idx for t in (ps.leaves[i], rs.leaves[i])]
-                torch._foreach_copy_([ms.leaves[i] for i in idx], _call_xla("join", inputs, 2))
+                inputs = [t for i in idx for t in (ps.leaves[i], rs.leaves[i], ts.leaves[i])]
+                torch._foreach_copy_([ms.leaves[i] for i in idx], _call_xla("join", inputs, 3))
                 continue
             for i in idx:
                 p = ps.leaves[i].view(torch.int16).to(torch.int32)
-                bits = _join_bits(p, rs.leaves[i].to(torch.int32))
+                t = unpack_ties(ts.leaves[i], ps.leaves[i].shape)
+                bits = _join_bits(p, rs.leaves[i].to(torch.int32), t)
                 ms.leaves[i].view(torch.int32).copy_(bits)
 
 

@@ -3,13 +3,13 @@
 A strategy decides what a master *is* between steps. ``"fp32"`` keeps a float32 copy
 (the master is a plain tensor). The others keep the model's own low-precision param
 and, at most, a small buffer beside it; the master is then a NamedTuple *unit* that
-holds the param itself plus that buffer (``RemainderMaster(param, remainder)``, ...):
+holds the param itself plus that buffer (``RemainderMaster(param, remainder, ties)``, ...):
 
 ==============  ============================  =====================================
 strategy        persistent bytes beyond param  the fp32 value a step starts from
 ==============  ============================  =====================================
 ``fp32``        4 (the master)                 the master
-``remainder``   2 (int16)                      exactly the fp32 master (``_remainder``)
+``remainder``   2.125 (int16 + a tie bit)      exactly the fp32 master (``_remainder``)
 ``kahan``       2 (compensation, param dtype)  param + compensation
 ``stochastic``  4 per leaf (an RNG key)        the param; stochastically rounded back
 ``none``        0                              the param; rounded to nearest back

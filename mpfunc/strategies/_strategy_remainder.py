@@ -1,15 +1,15 @@
-"""The ``"remainder"`` strategy: the bf16 param plus a 16-bit remainder ARE the fp32 master.
+"""The ``"remainder"`` strategy: the bf16 param, a 16-bit remainder and a tie bit ARE the
+fp32 master.
 
-``RemainderMaster(param, remainder)`` holds the model's own bfloat16 param and an int16
-remainder; ``_remainder.join`` rebuilds the fp32 master bit for bit, and
-``_remainder.split`` writes a new one back. 2 bytes per param beyond the param itself.
+``RemainderMaster(param, remainder, ties)`` holds the model's own bfloat16 param, an int16
+remainder of its shape and its tie bits (uint8, 8 a byte along the last dim:
+``_remainder.tie_shape``); ``_remainder.join`` rebuilds the fp32 master bit for bit, and
+``_remainder.split`` writes a new one back. 2.125 bytes per param beyond the param itself.
 
-Masters and optimizer state are bit-identical to the ``"fp32"`` strategy's, step after
-step, for a loop that rounds its params the same way. The param is the master rounded
-to nearest with ties *away from zero*: it differs from ``Tensor.to`` (ties to even)
-only at exact ties, 2**-17 of random bit patterns, and no 16-bit remainder can do
-better (``_remainder``'s docstring has the count). Only bfloat16 params: an fp16 param
-cannot hold an fp32 master in 16 more bits.
+The param is always ``master.to(torch.bfloat16)`` (round to nearest even; NaN payloads
+aside), so a run with ``"remainder"`` masters is bit-identical to the same run with
+``"fp32"`` masters: params, masters and state at every step. Only bfloat16 params: an fp16
+param cannot hold an fp32 master in 16 more bits.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ __all__ = ["STRATEGY", "RemainderMaster"]
 
 
 class RemainderMaster(NamedTuple):
-    """An fp32 master kept as its bf16 ``param`` (the model's own tensor) and an int16
-    ``remainder`` of the param's shape, layout and device."""
+    """An fp32 master kept as its bf16 ``param`` (the model's own tensor), an int16
+    ``remainder`` of the param's shape, layout and device, and uint8 ``ties`` of shape
+    ``_remainder.tie_shape(param.shape)`` (one bit per element, set only at an exact tie
+    that rounded up)."""
 
     param: torch.Tensor
     remainder: torch.Tensor
+    ties: torch.Tensor
 
 
 def _why_not(p: torch.Tensor) -> str | None:
@@ -39,17 +42,19 @@ def _why_not(p: torch.Tensor) -> str | None:
 
 
 def _make(p: torch.Tensor, seed: int, index: int) -> RemainderMaster:
-    # A bf16 value is exactly an fp32 master whose low half is zero.
+    # A bf16 value is exactly an fp32 master whose low half is zero (and no tie).
     r = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
-    return RemainderMaster(p, _sharding.like_(r, p))  # the param's XLA SPMD sharding
+    t = p.new_zeros(_remainder.tie_shape(p.shape), dtype=_remainder.TIE_DTYPE)
+    # The param's XLA SPMD sharding (the tie bytes: the same split of every dim).
+    return RemainderMaster(p, _sharding.like_(r, p), _sharding.like_(t, p, same_rank=True))
 
 
 def _load(units: list[Any]) -> list[torch.Tensor]:
     if not units:
         return []
     if _tensors.is_lazy(units[0].param.device):
-        return _remainder._call_xla("join", [t for u in units for t in u], 2)
-    return [_remainder._join_eager(u.param, u.remainder) for u in units]
+        return _remainder._call_xla("join", [t for u in units for t in u], 3)
+    return [_remainder._join_eager(*u) for u in units]
 
 
 def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | None) -> None:
@@ -57,29 +62,35 @@ def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | No
         return
     if _tensors.is_lazy(units[0].param.device):
         outs = _remainder._call_xla("split", values, 1)
-        params, rems = outs[0::2], outs[1::2]
-        if skip is not None:
-            params = [torch.where(skip, u.param, p) for u, p in zip(units, params)]
-            rems = [torch.where(skip, u.remainder, r) for u, r in zip(units, rems)]
-        torch._foreach_copy_([u.param for u in units], params)
-        torch._foreach_copy_([u.remainder for u in units], rems)
+        for k in range(3):
+            news = outs[k::3]
+            if skip is not None:
+                news = [torch.where(skip, u[k], n) for u, n in zip(units, news)]
+            torch._foreach_copy_([u[k] for u in units], news)
         return
     for u, v in zip(units, values):
-        hi, lo = _remainder._split_bits(v.view(torch.int32))
+        hi, lo, tie = _remainder._split_bits(v.view(torch.int32))
+        ties = _remainder.pack_ties(tie)
         pbits, rbits = u.param.view(torch.int16), u.remainder
         if skip is not None:
             hi = torch.where(skip, pbits.to(torch.int32), hi)
             lo = torch.where(skip, rbits.to(torch.int32), lo)
+            ties = torch.where(skip, u.ties, ties)
         # Through an int view: a float copy_ may canonicalize NaN payloads.
         pbits.copy_(hi)
         rbits.copy_(lo)
+        u.ties.copy_(ties)
 
 
 def _check(u: Any) -> str | None:
     p, r = u.param, u.remainder
     if p.dtype != torch.bfloat16:
         return f"its param is {p.dtype}, not torch.bfloat16"
-    return buffer_problem("remainder", r, torch.int16, p)
+    problem = buffer_problem("remainder", r, torch.int16, p)
+    if problem is not None:
+        return problem
+    problem = _remainder.tie_problem(u.ties, p)
+    return None if problem is None else f"its ties: {problem}"
 
 
 STRATEGY = Strategy(

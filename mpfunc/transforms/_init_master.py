@@ -70,12 +70,13 @@ def init_master(
     with the parameter. The other strategies keep the parameter itself plus at most a
     small buffer (see the README's "choosing a strategy"):
 
-    * ``"remainder"``: bf16 param + int16 remainder, exactly the fp32 master (2 B/param);
+    * ``"remainder"``: bf16 param + int16 remainder + a tie bit, exactly the fp32 master
+      (2.125 B/param), the param always ``Tensor.to``'s rounding of it;
     * ``"kahan"``: param + a compensation buffer of the param's dtype (2 B/param);
     * ``"stochastic"``: the bf16 param, stochastically rounded (a 4-byte RNG key per leaf);
     * ``"none"``: the param alone, rounded to nearest (plain low-precision training).
 
-    Their masters are NamedTuples (``RemainderMaster(param, remainder)``, ...) that hold
+    Their masters are NamedTuples (``RemainderMaster(param, remainder, ties)``, ...) that hold
     the model's own param: a step writes it (``apply_update_``), and the checkpoint of
     the masters holds everything needed to resume bit for bit.
 

@@ -62,7 +62,7 @@ def _joined(tree: Any) -> Any:
 
     def join(x: Any) -> Any:
         if isinstance(x, RemainderMaster):
-            return _join_eager(x.param.detach().cpu(), x.remainder.detach().cpu())
+            return _join_eager(*(t.detach().cpu() for t in x))
         return x
 
     return optree.tree_map(

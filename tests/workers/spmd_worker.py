@@ -194,14 +194,31 @@ class Run:
         split = "devices=" in self.expected(t, sharded)
         return t.numel() * t.element_size() // (self.n if split else 1)
 
+    def tie_bytes_change(self, unit: Any, sharded: bool) -> int:
+        """A remainder's tie bits are split as its param (each shard padded to whole rows of
+        the split), where ``expected_bytes`` splits them by their own size: the change."""
+        if not isinstance(unit, mpfunc.RemainderMaster):
+            return 0
+        t = unit.ties
+        spec = self.expected(unit.param, sharded)
+        if "devices=" not in spec:
+            return -self.expected_bytes(t, sharded) + t.numel() * t.element_size()
+        tiles = [int(x) for x in spec.split("[")[1].split("]")[0].split(",")]
+        per = 1
+        for size, n in zip(t.shape, tiles):
+            per *= -(-size // n)
+        return per * t.element_size() - self.expected_bytes(t, sharded)
+
     def check(self, where: str, tree: Any, sharded: bool, bad: list[str]) -> None:
         """Appends every leaf of ``tree`` whose spec is not the expected one."""
         leaves, _ = mpfunc.core._tree.flatten(tree)
         paths = mpfunc.core._tree.leaf_paths(tree)
-        for path, t in zip(paths, leaves):
+        for i, (path, t) in enumerate(zip(paths, leaves)):
             if t is None:
                 continue
             want = self.expected(t, sharded)
+            if path.endswith(".ties"):  # a remainder's tie bits: split as its param
+                want = self.expected(leaves[i - 2], sharded)
             got = self.spmd.spec(t) or ("{replicated}" if t.dim() == 0 else "")  # one layout
             if got != want:
                 bad.append(f"{where}: {path}: expected {want}, got {got or 'no annotation'}")
@@ -294,7 +311,8 @@ def train_case(run: Run, case: Case, out: Path) -> dict[str, Any]:
         "counts": deltas,
         "device_bytes": per_device,
         "full_bytes": run.spmd.full_bytes(leaves),
-        "expected_device_bytes": sum(run.expected_bytes(t, masters_sharded) for t in leaves),
+        "expected_device_bytes": sum(run.expected_bytes(t, masters_sharded) for t in leaves)
+        + sum(run.tie_bytes_change(u, masters_sharded) for u in masters.values()),
         "specs": {
             n: run.spmd.spec(mpfunc.core._tree.flatten(t)[0][-1]) for n, t in masters.items()
         },

@@ -887,27 +887,45 @@ MPF_INLINE u32 draw(u32 key, u32 i) { return fmix(fmix(i * kGolden + key) ^ key)
 // A draw in [0, 1) with 24 random bits.
 MPF_INLINE float uniform(u32 bits) { return float(bits >> 8) * 0x1.0p-24f; }
 
-// ---- _remainder: the fp32 master as its bf16 param (ties away) and its low 16 bits ---------
-constexpr u32 kGTrunc = 0xFF02;
-constexpr u32 kGZero = 0xFF01;
+// ---- _remainder: the fp32 master as its bf16 param (nearest even), its low 16 bits and a
+// tie bit (set at an exact tie that rounded up, and for NaNs whose payload lies in the low
+// half, whose param is the quiet NaN). The tie bits are a flat bit array in element order
+// (the pass takes contiguous leaves whose rows are whole bytes: _plan._composed_fits).
 constexpr u32 kInfHigh = 0x7F80;
+constexpr u32 kQNaNHigh = 0x7FC0;
 
-MPF_INLINE float join(u16 p, u16 r) {
+MPF_INLINE float join(u16 p, u16 r, u32 t) {
   const u32 mag = p & 0x7FFFu;
   const u32 low = r;
-  // The rounding went up exactly when the remainder's top bit is set (not for NaNs).
-  std::int32_t high = std::int32_t(mag) - (mag <= kInfHigh ? std::int32_t(low >> 15) : 0);
-  if (high < 0) high = kInfHigh;  // a zero param with the top bit set: low-payload NaNs
-  return float_of((u32(high) << 16) | low | (u32(p & 0x8000u) << 16));
+  // The rounding went up where the remainder's top bit is set, except at an exact tie,
+  // where the tie bit says; a NaN param kept its high half, or stands for high 0x7F80.
+  const u32 high = mag <= kInfHigh ? mag - (low == 0x8000u ? t : low >> 15)
+                                   : (t ? kInfHigh : mag);
+  return float_of((high << 16) | low | (u32(p & 0x8000u) << 16));
 }
 
-MPF_INLINE void split(float x, u16& p, u16& r) {
+// Returns the tie bit.
+MPF_INLINE u32 split(float x, u16& p, u16& r) {
   const u32 b = bits_of(x);
-  const u32 g = (b & 0x7FFFFFFFu) >> 15;
-  const u32 up = g < kGTrunc ? (g & 1u) : 0u;
-  const u32 mag = g == kGZero ? 0u : (g >> 1) + up;
+  const u32 mag32 = b & 0x7FFFFFFFu;
+  const u32 high = mag32 >> 16, low = b & 0xFFFFu;
+  u32 mag, tie;
+  if (mag32 > 0x7F800000u) {  // NaN
+    tie = high == kInfHigh;
+    mag = tie ? kQNaNHigh : high;
+  } else {
+    const u32 odd = high & 1u;
+    mag = (mag32 + 0x7FFFu + odd) >> 16;
+    tie = low == 0x8000u ? odd : 0u;
+  }
   p = u16(mag | ((b >> 16) & 0x8000u));
-  r = u16(b & 0xFFFFu);
+  r = u16(low);
+  return tie;
+}
+MPF_INLINE u32 tie_of(const std::uint8_t* T, std::int64_t i) { return (T[i >> 3] >> (i & 7)) & 1u; }
+MPF_INLINE void set_tie(std::uint8_t* T, std::int64_t i, u32 t) {
+  const int k = int(i & 7);
+  T[i >> 3] = std::uint8_t((T[i >> 3] & ~(1u << k)) | (t << k));
 }
 
 // ---- _quantize: 32-element blocks, bf16 absmax scales, companded codes ----------------------
@@ -1113,6 +1131,7 @@ void narrow(const float* __restrict__ src, u16* __restrict__ dst, std::int64_t n
 struct CLeaf {
   void* prim;        // the fp32 master, or the unit's param
   void* aux;         // remainder (int16) or compensation (param dtype); else null
+  std::uint8_t* ties;  // "remainder": the tie bits, one per element in element order
   u32 key;           // "stochastic": the key this step draws with
   bool half;         // the param is float16 (else bfloat16)
   const void* grad;
@@ -1182,7 +1201,7 @@ float* load_master(Strategy s, const CLeaf& L, std::int64_t b, std::int64_t e, f
     case kRemainder: {
       const auto* P = static_cast<const u16*>(L.prim);
       const auto* R = static_cast<const u16*>(L.aux);
-      for (std::int64_t i = b; i < e; ++i) scratch[i - b] = join(P[i], R[i]);
+      for (std::int64_t i = b; i < e; ++i) scratch[i - b] = join(P[i], R[i], tie_of(L.ties, i));
       break;
     }
     case kKahan:
@@ -1203,7 +1222,7 @@ void store_master(Strategy s, const CLeaf& L, std::int64_t b, std::int64_t e, co
     case kRemainder: {
       auto* P = static_cast<u16*>(L.prim);
       auto* R = static_cast<u16*>(L.aux);
-      for (std::int64_t i = b; i < e; ++i) split(x[i - b], P[i], R[i]);
+      for (std::int64_t i = b; i < e; ++i) set_tie(L.ties, i, split(x[i - b], P[i], R[i]));
       return;
     }
     case kKahan:
@@ -1326,30 +1345,40 @@ MPF_INLINE void narrow16(iVec x, u16* p) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
 }
 
-// join() on 16 lanes.
-MPF_INLINE fVec join16(const u16* P, const u16* R) {
+// join() on 16 lanes; t: their 16 tie bits.
+MPF_INLINE fVec join16(const u16* P, const u16* R, __mmask16 t) {
   const iVec p = widen16(P), low = widen16(R);
   const iVec mag = _mm512_and_si512(p, i32(0x7FFFu));
   const __mmask16 finite = _mm512_cmple_epu32_mask(mag, i32(kInfHigh));
-  iVec high = _mm512_mask_sub_epi32(mag, finite, mag, _mm512_srli_epi32(low, 15));
-  high = _mm512_mask_mov_epi32(high, _mm512_cmplt_epi32_mask(high, _mm512_setzero_si512()),
-                               i32(kInfHigh));
-  const iVec sign = _mm512_slli_epi32(_mm512_and_si512(p, i32(0x8000u)), 16);
-  const iVec bits =
-      _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi32(high, 16), low), sign);
-  return fVec(_mm512_castsi512_ps(bits));
+  // Up where low + t > 0x8000: the top bit, or at an exact tie the tie bit (finite only).
+  const iVec lt = _mm512_mask_add_epi32(low, t, low, i32(1u));
+  const __mmask16 up = _mm512_mask_cmpgt_epu32_mask(finite, lt, i32(0x8000u));
+  iVec high = _mm512_mask_sub_epi32(mag, up, mag, i32(1u));
+  high = _mm512_mask_mov_epi32(high, _kandn_mask16(finite, t), i32(kInfHigh));
+  // (high | sign) << 16 | low, the sign being bit 15 of p.
+  const iVec top = _mm512_ternarylogic_epi32(high, p, i32(0x8000u), 0xF8);  // a | (b & c)
+  return fVec(_mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(top, 16), low)));
 }
 
-// split() on 16 lanes.
-MPF_INLINE void split16(const fVec& x, u16* P, u16* R) {
+// split() on 16 lanes; returns their tie bits.
+MPF_INLINE __mmask16 split16(const fVec& x, u16* P, u16* R) {
   const iVec b = _mm512_castps_si512(__m512(x));
-  const iVec g = _mm512_srli_epi32(_mm512_and_si512(b, i32(0x7FFFFFFFu)), 15);
-  const iVec up = _mm512_maskz_and_epi32(_mm512_cmplt_epu32_mask(g, i32(kGTrunc)), g, i32(1));
-  const iVec mag = _mm512_maskz_add_epi32(_mm512_cmpneq_epu32_mask(g, i32(kGZero)),
-                                          _mm512_srli_epi32(g, 1), up);
-  const iVec p = _mm512_or_si512(mag, _mm512_and_si512(_mm512_srli_epi32(b, 16), i32(0x8000u)));
-  narrow16(p, P);
-  narrow16(_mm512_and_si512(b, i32(0xFFFFu)), R);
+  const iVec mag32 = _mm512_and_si512(b, i32(0x7FFFFFFFu));
+  const iVec hi = _mm512_srli_epi32(b, 16);  // the sign and the high half
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag32, i32(0x7F800000u));
+  const __mmask16 odd = _mm512_test_epi32_mask(b, i32(0x10000u));
+  // Nearest even: + 0x7FFF + odd, then the high half; NaNs keep theirs.
+  const iVec inc = _mm512_maskz_add_epi32(_knot_mask16(nan), _mm512_srli_epi32(_mm512_and_si512(b, i32(0x10000u)), 16),
+                                          i32(0x7FFFu));
+  iVec mag = _mm512_srli_epi32(_mm512_add_epi32(mag32, inc), 16);
+  const __mmask16 lownan = _mm512_mask_cmpeq_epi32_mask(nan, mag, i32(kInfHigh));
+  mag = _mm512_mask_mov_epi32(mag, lownan, i32(kQNaNHigh));
+  const iVec low = _mm512_and_si512(b, i32(0xFFFFu));
+  const __mmask16 tie =
+      _mm512_mask_cmpeq_epi32_mask(_kandn_mask16(nan, odd), low, i32(0x8000u)) | lownan;
+  narrow16(_mm512_ternarylogic_epi32(mag, hi, i32(0x8000u), 0xF8), P);  // mag | sign
+  narrow16(low, R);
+  return tie;
 }
 
 // fmix() and draw() on 16 lanes of element indices.
@@ -1386,14 +1415,16 @@ struct SRemainder {  // bf16 params only
   static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     const auto* P = static_cast<const u16*>(L.prim) + i;
     const auto* R = static_cast<const u16*>(L.aux) + i;
-    p0 = join16(P, R);
-    p1 = join16(P + kW, R + kW);
+    u32 t;  // kBlock = 32 tie bits; i is a multiple of 32 within a leaf
+    std::memcpy(&t, L.ties + (i >> 3), sizeof t);
+    p0 = join16(P, R, __mmask16(t));
+    p1 = join16(P + kW, R + kW, __mmask16(t >> 16));
   }
   static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
     auto* P = static_cast<u16*>(L.prim) + i;
     auto* R = static_cast<u16*>(L.aux) + i;
-    split16(p0, P, R);
-    split16(p1, P + kW, R + kW);
+    const u32 t = u32(split16(p0, P, R)) | (u32(split16(p1, P + kW, R + kW)) << 16);
+    std::memcpy(L.ties + (i >> 3), &t, sizeof t);
   }
 };
 
@@ -1749,7 +1780,9 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
   const std::size_t n = prims.size();
   const bool has_aux = s == kRemainder || s == kKahan || s == kStochastic;
   const bool has_out = !params_out.empty();
-  TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && (!has_aux || auxs.size() == n) &&
+  // "remainder": auxs holds the n remainders, then the n tie-bit tensors.
+  const std::size_t n_aux = s == kRemainder ? 2 * n : n;
+  TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && (!has_aux || auxs.size() == n_aux) &&
                         data.size() == fields && (f != kU8 || scales.size() == fields) &&
                         (!has_out || (s == kFP32 && params_out.size() == n)) &&
                         (!salted || f != kU8 || salts.size() == n),
@@ -1761,7 +1794,8 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
   check_scalar("lr", lr_tensor);
   check_scalar("grad_scale", grad_scale);
   check_scalar("found_inf", found_inf, /*or_bool=*/true);
-  const bool positional = s == kStochastic || f == kU8;  // draws and blocks follow the index
+  // Draws, blocks and tie bits follow the index.
+  const bool positional = s == kStochastic || s == kRemainder || f == kU8;
   const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
   std::optional<c10::ScalarType> out_dtype;
   if (has_out && n) out_dtype = params_out[0].scalar_type();
@@ -1793,7 +1827,15 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
       TORCH_CHECK_VALUE(!(t.is_inference() && !c10::InferenceMode::is_enabled()), fn, ": at [",
                         i, "]: ", what, ": an inference tensor outside torch.inference_mode()");
     };
-    if (s == kRemainder) fits("remainder", auxs[i], c10::ScalarType::Short, true);
+    if (s == kRemainder) {
+      fits("remainder", auxs[i], c10::ScalarType::Short, true);
+      const at::Tensor& t = auxs[n + i];
+      fits("ties", t, c10::ScalarType::Byte, false);
+      TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == (p.numel() + 7) / 8 &&
+                            (p.dim() <= 1 || p.size(-1) % 8 == 0),
+                        fn, ": at [", i, "]: expected tie bits of whole bytes per row, got ",
+                        describe(t), " for a master of shape ", p.sizes());
+    }
     if (s == kKahan) fits("compensation", auxs[i], pt, true);
     if (s == kStochastic) {
       fits("key", auxs[i], c10::ScalarType::Int, false);
@@ -1837,6 +1879,7 @@ void bump_composed(composed::Format f, std::size_t fields, const std::vector<at:
   for (std::size_t i = 0; i < n; ++i) {
     prims[i].unsafeGetTensorImpl()->bump_version();
     if (has_aux) auxs[i].unsafeGetTensorImpl()->bump_version();
+    if (auxs.size() == 2 * n && n) auxs[n + i].unsafeGetTensorImpl()->bump_version();
     steps[i].unsafeGetTensorImpl()->bump_version();
     if (has_out) params_out[i].unsafeGetTensorImpl()->bump_version();
     for (std::size_t k = 0; k < fields; ++k) {
@@ -1928,6 +1971,7 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
     CLeaf& L = leaves[i];
     L.prim = prims[i].data_ptr();
     L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
+    L.ties = s == kRemainder ? static_cast<std::uint8_t*>(auxs[n + i].data_ptr()) : nullptr;
     L.key = s == kStochastic ? u32(*auxs[i].data_ptr<std::int32_t>()) : 0u;
     L.half = prims[i].scalar_type() == c10::ScalarType::Half;
     L.grad = grads[i].data_ptr();
@@ -2344,6 +2388,7 @@ void step_rule_(std::int64_t rule, std::int64_t strategy, std::int64_t format,
     CLeaf& L = R.c;
     L.prim = prims[i].data_ptr();
     L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
+    L.ties = s == kRemainder ? static_cast<std::uint8_t*>(auxs[n + i].data_ptr()) : nullptr;
     L.key = s == kStochastic ? u32(*auxs[i].data_ptr<std::int32_t>()) : 0u;
     L.half = prims[i].scalar_type() == c10::ScalarType::Half;
     L.grad = grads[i].data_ptr();

@@ -1,0 +1,264 @@
+"""A run with ``"remainder"`` masters is an ``"fp32"`` run, bit for bit, ties included.
+
+Both runs get the same bf16 grads; after every step the params, the masters (the
+remainder's joined) and the optimizer state are compared bit for bit, for AdamW, SGD and
+Lion on every layout. The inputs are chosen so that updates land on exact bf16 halves
+(values in [1, 2), a power-of-two lr, grads of +-1): the test counts the element-steps
+whose master sat on a tie and asserts there were some, so the tie bit is exercised, not
+merely present. Old checkpoints (written with ties-away params, no tie bits:
+``tests/fixtures/remainder_v1.pt``) load into today's encoding with the same masters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.helpers import assert_bits_equal, bits, leaves
+
+import mpfunc
+from mpfunc.strategies import _remainder
+
+BF16 = torch.bfloat16
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# (layout, shape): the param is made contiguous of ``shape`` and then laid out.
+LAYOUTS = [
+    ("contiguous", (2, 16)),
+    ("contiguous", (37,)),
+    ("transposed", (16, 3)),
+    ("channels_last", (2, 3, 2, 8)),
+    ("sliced", (3, 10)),
+    ("0-d", ()),
+]
+
+
+def _laid(kind: str, x: torch.Tensor) -> torch.Tensor:
+    if kind == "transposed":
+        return x.t().contiguous().t()
+    if kind == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if kind == "sliced":
+        wide = torch.zeros(x.shape[0], x.shape[1] * 2, dtype=x.dtype, device=x.device)
+        wide[:, ::2] = x
+        return wide[:, ::2]
+    return x
+
+
+def _params(
+    layouts: list[tuple[str, tuple[int, ...]]], seed: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (kind, shape) in enumerate(layouts):
+        # Values in [1, 2) on the bf16 grid: an lr of 2**-8 moves them by half an ulp.
+        k = torch.randint(0, 128, shape, generator=gen)
+        x = (1.0 + k.float() * 2.0**-7).to(BF16).to(device)
+        out[f"p{i}"] = torch.nn.Parameter(_laid(kind, x))
+    return out
+
+
+def _grads(
+    params: dict[str, torch.Tensor], gen: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, p in params.items():
+        sign = torch.randint(0, 2, p.shape, generator=gen).float() * 2 - 1
+        scale = torch.where(torch.rand(p.shape, generator=gen) < 0.8, 1.0, 0.75)
+        out[k] = (sign * scale).to(BF16).to(device)
+    return out
+
+
+def _ties(masters: dict[str, Any]) -> int:
+    """Element-steps on a tie: masters whose low half is exactly 0x8000."""
+    n = 0
+    for m in masters.values():
+        low = bits(m.remainder).to(torch.int32) & 0xFFFF
+        n += int((low == 0x8000).sum())
+    return n
+
+
+def _optimizer(name: str, impl: str) -> Any:
+    lr = 2.0**-8
+    if name == "adamw":
+        return mpfunc.adamw(lr=lr, weight_decay=0.0, impl=impl)
+    if name == "sgd":
+        return mpfunc.sgd(lr=lr, impl=impl)
+    if name == "sgd_momentum":
+        return mpfunc.sgd(lr=lr, momentum=0.5, impl=impl)
+    return mpfunc.lion(lr=lr, impl=impl)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (any dtype, any shape), on the CPU."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def run(
+    device: torch.device, name: str, impl: str, layouts: list[Any], seed: int, steps: int
+) -> int:
+    """Runs both and compares at every step; returns the element-steps on a tie."""
+    opt = _optimizer(name, impl)
+    p32, prem = _params(layouts, seed, device), _params(layouts, seed, device)
+    m32 = mpfunc.init_master(p32)
+    mrem = mpfunc.init_master(prem, strategy="remainder")
+    s32, srem = opt.init(m32), opt.init(mrem)
+    gen = torch.Generator().manual_seed(seed + 1)
+    ties = 0
+    for _ in range(steps):
+        grads = _grads(p32, gen, device)
+        mpfunc.apply_update_(m32, grads, s32, opt, params=p32)
+        mpfunc.apply_update_(mrem, grads, srem, opt)
+        _sync(device)
+        ties += _ties(mrem)
+        for k in p32:
+            assert_bits_equal(prem[k], p32[k])  # the param is Tensor.to's, every step
+        exported = mpfunc.masters_state_dict(mrem)
+        for k in p32:
+            assert_bits_equal(exported[k], m32[k])
+        for a, b in zip(leaves(s32), leaves(srem), strict=True):
+            if a is not None or b is not None:
+                assert_bits_equal(a, b)
+    return ties
+
+
+OPTIMIZERS = ["adamw", "sgd", "sgd_momentum", "lion"]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    name=st.sampled_from(OPTIMIZERS),
+    impl=st.sampled_from(["auto", "foreach"]),
+    layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_remainder_run_is_the_fp32_run_cpu(
+    name: str, impl: str, layouts: list[Any], seed: int
+) -> None:
+    ties = run(torch.device("cpu"), name, impl, layouts, seed, steps=6)
+    if name in ("sgd", "lion"):  # updates of exactly +-lr: half an ulp of every param
+        assert ties > 0, "no step landed on a tie"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_lands_on_ties_cpu(name: str) -> None:
+    """Each optimizer on every layout at once, with the native pass where it applies."""
+    ties = run(torch.device("cpu"), name, "auto", LAYOUTS, seed=7, steps=8)
+    if name in ("sgd", "lion"):
+        assert ties > 0
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_remainder_run_is_the_fp32_run_xla(xla_device: torch.device, name: str) -> None:
+    ties = run(xla_device, name, "auto", LAYOUTS, seed=7, steps=4)
+    if name in ("sgd", "lion"):
+        assert ties > 0
+
+
+def test_cpu_and_xla_tie_bits_agree_on_a_run(xla_device: torch.device) -> None:
+    """The same run on the CPU and on XLA: the same params, remainders and tie bits."""
+    out = []
+    for device in (torch.device("cpu"), xla_device):
+        opt = mpfunc.sgd(lr=2.0**-8)
+        p = _params(LAYOUTS, 3, device)
+        m = mpfunc.init_master(p, strategy="remainder")
+        s = opt.init(m)
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            mpfunc.apply_update_(m, _grads(p, gen, device), s, opt)
+        _sync(device)
+        out.append({k: [t.detach().cpu() for t in u] for k, u in m.items()})
+    for k in out[0]:
+        for a, b in zip(out[0][k], out[1][k]):
+            assert torch.equal(_raw(a), _raw(b)), k
+
+
+test_cpu_and_xla_tie_bits_agree_on_a_run = pytest.mark.xla(test_cpu_and_xla_tie_bits_agree_on_a_run)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def _v1() -> dict[str, Any]:
+    return torch.load(FIXTURES / "remainder_v1.pt", weights_only=True)
+
+
+def test_sidecar_round_trips_with_tie_bits(tmp_path: Path) -> None:
+    v1 = _v1()
+    params = {k: torch.nn.Parameter(v.to(BF16)) for k, v in v1["fp32"].items()}
+    m = mpfunc.init_master(params, strategy="remainder")
+    for k, v in v1["fp32"].items():
+        _remainder.split_([v], [m[k].param], [m[k].remainder], [m[k].ties])
+    side = mpfunc.remainders_state_dict(m)
+    assert sorted(side) == sorted([*v1["fp32"], *(k + "#ties" for k in v1["fp32"])])
+    torch.save(side, tmp_path / "side.pt")
+    sd = {k: p.detach().clone() for k, p in params.items()}
+    back = mpfunc.masters_from_remainders(sd, torch.load(tmp_path / "side.pt", weights_only=True))
+    for k, v in v1["fp32"].items():
+        assert_bits_equal(back[k], v)
+        nan = torch.isnan(v)
+        assert torch.equal(bits(sd[k])[~nan], bits(v.to(BF16))[~nan])
+
+
+def test_old_sidecar_loads_by_the_old_rule() -> None:
+    """A sidecar written before tie bits, beside its ties-away params: the same masters."""
+    v1 = _v1()
+    back = mpfunc.masters_from_remainders(v1["model"], v1["sidecar"])
+    for k, v in v1["fp32"].items():
+        assert_bits_equal(back[k], v)
+    # The old params differ from today's at the even ties: the file really is old.
+    p = v1["model"]["specials"]
+    assert (
+        int(bits(p)[0]) == 0x3F81
+        and int(bits(_remainder.split(v1["fp32"]["specials"])[0])[0]) == 0x3F80
+    )
+
+
+def test_old_master_optimizer_state_loads_and_resplits() -> None:
+    """A MasterOptimizer state_dict from before tie bits (no ``ties`` entries), loaded after
+    the model's own old state_dict: every master is the saved one, the params are now
+    ``Tensor.to``'s, and the state_dict round-trips bit for bit."""
+    v1 = _v1()
+    model = torch.nn.Module()
+    for k, v in v1["fp32"].items():
+        model.register_parameter(k, torch.nn.Parameter(torch.zeros_like(v, dtype=BF16)))
+    opt = mpfunc.MasterOptimizer(list(model.parameters()), lr=0.0, strategy="remainder")
+    model.load_state_dict(v1["model"])
+    opt.load_state_dict(v1["optimizer"])
+    sd = opt.state_dict()
+    names = list(dict(model.named_parameters()))
+    for i, k in enumerate(names):
+        entry = sd["state"][i]
+        p = dict(model.named_parameters())[k]
+        master = _remainder.join(p.detach(), entry["remainder"], entry["ties"])
+        assert_bits_equal(master, v1["fp32"][k])
+        nan = torch.isnan(master)
+        assert torch.equal(bits(p)[~nan], bits(master.to(BF16))[~nan])
+    opt2 = mpfunc.MasterOptimizer(list(model.parameters()), lr=0.0, strategy="remainder")
+    opt2.load_state_dict(sd)
+    for i in range(len(names)):
+        for key, t in opt2.state_dict()["state"][i].items():
+            want = sd["state"][i][key]
+            assert torch.equal(_raw(t), _raw(want)), (names[i], key)
+
+
+def test_old_tree_file_is_refused_with_the_missing_tie_bits() -> None:
+    """A ``mpfunc.save`` tree of units from before tie bits: refused before anything is
+    read into the tree, naming each missing ``ties`` entry (never loaded half-way)."""
+    v1 = _v1()
+    params = {k: torch.nn.Parameter(v.to(BF16)) for k, v in v1["fp32"].items()}
+    m = mpfunc.init_master(params, strategy="remainder")
+    with pytest.raises(ValueError, match=r"missing key 'masters\.matrix\.ties'"):
+        mpfunc.load(FIXTURES / "remainder_v1_tree.pt", like={"masters": m})
