@@ -415,13 +415,6 @@ def _state_fields(
     return out
 
 
-def _opened(leaves: list[Any]) -> list[Any]:
-    """Leaves with each unit (a NamedTuple of tensors) opened into its tensors, in order."""
-    if not any([isinstance(x, tuple) for x in leaves]):
-        return leaves
-    return [t for x in leaves for t in (x if isinstance(x, tuple) else (x,))]
-
-
 def tensor_sides(side: Side) -> list[Side]:
     """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
     one per unit field, each keeping the unit's path."""
@@ -561,7 +554,7 @@ def _plan_elementwise(
     if step.memo is not None:
         # The key: each field's spec, the type of each leaf (a unit's class: the spec
         # holds none), and the metadata of every tensor, units opened.
-        parts = [_cache.leaf_keys(_opened(f)) for f in fields.values()]
+        parts = [_cache.leaf_keys(_tree.opened(f)) for f in fields.values()]
         if all(p is not None for p in parts):
             memo_key = (
                 fn, step.state_name, rule.name, rule.state_type, tuple(rule.kernels.items()),

@@ -311,13 +311,16 @@ class Side(NamedTuple):
         return _tree.leaf_paths(self.tree, self.name, units=self.units)[i]
 
 
-def tensor_leaves(fn: str, name: str, tree: Any) -> tuple[Side, PyTreeSpec]:
-    """Flattens ``tree`` and checks that every leaf is ``None`` or a dense (strided) tensor.
+def tensor_leaves(
+    fn: str, name: str, tree: Any, flat: tuple[list[Any], Any] | None = None
+) -> tuple[Side, PyTreeSpec]:
+    """Flattens ``tree`` (or takes ``flat``, what ``_tree.flatten(tree)`` returned) and checks
+    that every leaf is ``None`` or a dense (strided) tensor.
 
     Sparse, sparse-compressed and other layouts are refused here, before any write: the
     kernels index memory densely and would fail halfway or read garbage.
     """
-    leaves, spec = _tree.flatten(tree)
+    leaves, spec = _tree.flatten(tree) if flat is None else flat
     side = Side(name, tree, leaves)
     check_dense(fn, side)
     check_not_differentiated(fn, side)
@@ -639,9 +642,13 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
         for i, t in enumerate(_dtensor.locals_(side.leaves)):
             if t is None:
                 continue
-            # (A contiguous tensor with an address overlaps nothing: _overlaps_itself's
-            # first answer, read here without a call per tensor.)
-            if not (t.is_contiguous() and not t.is_xla and not t.is_meta) and _overlaps_itself(t):
+            # _overlaps_itself, its cases read here without a call per tensor: without an
+            # address (XLA) torch's verdict; a contiguous tensor with one overlaps nothing.
+            if t.is_xla or t.is_meta:
+                overlaps = t.numel() > 1 and int(torch._debug_has_internal_overlap(t)) != 0
+            else:
+                overlaps = not t.is_contiguous() and _overlaps_itself(t)
+            if overlaps:
                 fail(
                     ValueError,
                     fn,
@@ -734,8 +741,10 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
     lazy: list[object] = []
     spans: list[tuple[int, int]] = []
     for t in tensors:  # one pass, the common case (contiguous) read inline
-        if traced or t.is_xla or t.is_meta:  # (_no_address)
-            lazy.append(_root(t))
+        if traced:
+            lazy.append(t)  # (_root, compiling)
+        elif t.is_xla or t.is_meta:  # (_no_address)
+            lazy.append(int(t.untyped_storage()._cdata))  # (_root)
         elif t.is_contiguous():
             start = t.data_ptr()
             if t.nbytes:

@@ -114,7 +114,7 @@ def local_group(group: Any) -> Any:
     from mpfunc.core import _tree
 
     leaves, spec = _tree.flatten(group)
-    if not any(isinstance(t, cls) for t in leaves):
+    if not any([isinstance(t, cls) for t in leaves]):  # (no generator frame per leaf)
         return group
     return _tree.unflatten(spec, [t._local_tensor if isinstance(t, cls) else t for t in leaves])
 

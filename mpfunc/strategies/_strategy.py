@@ -141,11 +141,14 @@ def check_applies(fn: str, params: _checks.Side, kinds: Sequence[Strategy | None
 _MASTER_DTYPES = (torch.float32, torch.float64)
 
 
-def master_leaves(fn: str, name: str, tree: Any) -> tuple[_checks.Side, Any]:
-    """Flattens a masters tree with each unit as one leaf, and checks every leaf: ``None``,
-    a dense float32/float64 tensor, or a unit whose tensors fit together; every tensor's
-    storage holds its elements."""
-    leaves, spec = _tree.flatten(tree, units=True)
+def master_leaves(
+    fn: str, name: str, tree: Any, flat: tuple[list[Any], Any] | None = None
+) -> tuple[_checks.Side, Any]:
+    """Flattens a masters tree with each unit as one leaf (or takes ``flat``, what
+    ``_tree.flatten(tree, units=True)`` returned), and checks every leaf: ``None``, a dense
+    float32/float64 tensor, or a unit whose tensors fit together; every tensor's storage
+    holds its elements."""
+    leaves, spec = _tree.flatten(tree, units=True) if flat is None else flat
     side = _checks.Side(name, tree, leaves, units=True)
     strided, Tensor = torch.strided, torch.Tensor
     for leaf in leaves:

@@ -66,19 +66,36 @@ def _check(
             f"torch_optimizer), got {_checks.describe(opt)}"
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
+    # Each tree flattened once per call (units kept whole), for the memo key and the checks.
+    flat = _flatten_trees(masters, grads, params, stats)
     # A repeated step on the same trees (same structure and leaf metadata, addresses
     # included) passed these checks before: they are skipped (_cache.memo_entry).
-    key, flat, entry = _recall(fn, masters, grads, params, stats)
+    key, parts, entry = _recall(fn, flat)
     if entry is not None and entry.info is not None:
         divisor = _loss_scale.scale_value(fn, scale)
         return _resolved(_recalled(entry, flat, masters, grads, skip, params, divisor, stats))
-    step = _check_all(fn, masters, grads, skip, params, scale, stats, in_place)
-    entry = _cache.memo_passed(key, [k for _, _, k in flat])
+    step = _check_all(fn, masters, grads, skip, params, scale, stats, in_place, flat)
+    entry = _cache.memo_passed(key, parts)
     if entry is None:
         return _resolved(step)
-    kinds = step.kinds or []
-    entry.info = (all(k is None for k in kinds), all(x is not None for x in step.masters.leaves))
+    kinds = step.kinds or [None] * len(step.masters.leaves)
+    plain = all(k is None for k in kinds)
+    entry.info = (plain, all(x is not None for x in step.masters.leaves), kinds)
     return _resolved(step._replace(memo=entry))
+
+
+# Per tree of a step (masters, grads, params, stats): its leaves and spec, units (a
+# strategy's master, a leaf's UpdateStats) kept whole; ``([], None)`` for an absent tree.
+Flat = list[tuple[list[Any], Any]]
+
+
+def _flatten_trees(masters: Any, grads: Any, params: Any, stats: Any) -> Flat:
+    return [
+        _tree.flatten(masters, units=True),
+        _tree.flatten(grads),
+        ([], None) if params is None else _tree.flatten(params),
+        ([], None) if stats is None else _tree.flatten(stats, units=True),
+    ]
 
 
 def _resolved(step: Step) -> Step:
@@ -96,39 +113,28 @@ def _resolved(step: Step) -> Step:
     return step._replace(grads=step.grads._replace(leaves=grads), memo=None)
 
 
-def _recall(
-    fn: str, masters: Any, grads: Any, params: Any, stats: Any
-) -> tuple[Any, list[tuple[list[Any], Any, Any]], _cache.MemoEntry | None]:
-    """The memo key of a step's trees (structure and every leaf's metadata, units opened:
-    optree's C flatten, no Python per node) and its entry if these checks passed before;
-    a ``None`` key where the trees may not be remembered. ``flat``: per tree, its leaves,
-    spec and leaf keys (``None`` for an absent ``params``/``stats``)."""
+def _recall(fn: str, flat: Flat) -> tuple[Any, list[Any], _cache.MemoEntry | None]:
+    """The memo key of a step's trees and its entry if these checks passed before; a
+    ``None`` key where the trees may not be remembered. The key holds each tree's spec (units
+    as leaves), the exact type of each master and stats leaf (a unit's class: the spec holds
+    none) and the metadata of every tensor, units opened (``_cache.leaf_keys``: C++, no
+    Python per tensor). ``parts``: the leaf keys per tree."""
     if not _cache.memo_enabled():
         return None, [], None
-    flat: list[tuple[list[Any], Any, Any]] = []
-    for tree, present in (
-        (masters, True),
-        (grads, True),
-        (params, params is not None),
-        (stats, stats is not None),
-    ):
-        if not present:
-            flat.append(([], None, ()))
-            continue
-        leaves, spec = _tree.flatten(tree)
-        k = _cache.leaf_keys(leaves)
+    parts: list[Any] = []
+    for i, (leaves, _) in enumerate(flat):
+        k = _cache.leaf_keys(_tree.opened(leaves) if i in (0, 3) else leaves) if leaves else ()
         if k is None:
             return None, [], None
-        flat.append((leaves, spec, k))
-    key, entry = _cache.memo_entry(
-        (fn, *(spec for _, spec, _ in flat)), tuple(k for _, _, k in flat)
-    )
-    return key, flat, entry
+        parts.append(k)
+    types = (tuple(map(type, flat[0][0])), tuple(map(type, flat[3][0])))
+    key, entry = _cache.memo_entry((fn, *(spec for _, spec in flat), types), tuple(parts))
+    return key, parts, entry
 
 
 def _recalled(
     entry: _cache.MemoEntry,
-    flat: list[tuple[list[Any], Any, Any]],
+    flat: Flat,
     masters: Any,
     grads: Any,
     skip: torch.Tensor | None,
@@ -137,17 +143,13 @@ def _recalled(
     stats: Any,
 ) -> Step:
     """The ``Step`` that ``_check_all`` returned for identical inputs, rebuilt without
-    checking (``entry.info``: every master a plain tensor, so the trees hold no unit and
-    ``flat`` is what ``flatten(units=True)`` gives; no master ``None``)."""
-    plain, full = entry.info
-    kinds: list[Any]
-    if plain:
-        leaves, m_spec = flat[0][0], flat[0][1]
-        faces, kinds = leaves, [None] * len(leaves)
-    else:
-        leaves, m_spec = _tree.flatten(masters, units=True)
-        faces = [_strategy.face(x) for x in leaves]
-        kinds = [_strategy.by_unit(x) for x in leaves]
+    checking (``entry.info``: every master a plain tensor, so the trees hold no unit; no
+    master ``None``)."""
+    plain, full, kinds = entry.info
+    leaves, m_spec = flat[0]
+    # Each master's strategy is remembered (the key holds each leaf's type); a face is the
+    # master or its unit's param.
+    faces = leaves if plain else [x if k is None else x.param for x, k in zip(leaves, kinds)]
     m = _checks.Side("masters", masters, leaves, units=True)
     g = _checks.Side("grads", grads, flat[1][0])
     model = None
@@ -163,7 +165,7 @@ def _recalled(
                 ]
             )
         )
-    stat_leaves = None if stats is None else _tree.flatten(stats, units=True)[0]
+    stat_leaves = None if stats is None else flat[3][0]
     return Step(
         m,
         m_spec,
@@ -187,9 +189,10 @@ def _check_all(
     scale: object,
     stats: Any,
     in_place: bool,
+    flat: Flat,
 ) -> Step:
-    m, m_spec = _strategy.master_leaves(fn, "masters", masters)
-    g, g_spec = _checks.tensor_leaves(fn, "grads", grads)
+    m, m_spec = _strategy.master_leaves(fn, "masters", masters, flat[0])
+    g, g_spec = _checks.tensor_leaves(fn, "grads", grads, flat[1])
     _checks.check_same_structure(fn, "masters", masters, m_spec, "grads", grads, g_spec)
     faces = [_strategy.face(x) for x in m.leaves]
     kinds = [_strategy.by_unit(x) for x in m.leaves]
@@ -212,7 +215,7 @@ def _check_all(
     _check_some_grad(fn, m, g)
     model = None
     if params is not None:
-        p, p_spec = _checks.tensor_leaves(fn, "params", params)
+        p, p_spec = _checks.tensor_leaves(fn, "params", params, flat[2])
         _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
         _checks.check_pairs(fn, ref, p, _PARAMS)
         for i, (x, q, k) in enumerate(zip(m.leaves, p.leaves, kinds)):
@@ -236,7 +239,7 @@ def _check_all(
     divisor = _loss_scale.scale_value(fn, scale)
     stat_leaves = None
     if stats is not None:
-        stat_leaves, s_spec = _tree.flatten(stats, units=True)
+        stat_leaves, s_spec = flat[3]
         _checks.check_same_structure(fn, "masters", masters, m_spec, "stats", stats, s_spec)
         for i, (x, st) in enumerate(zip(m.leaves, stat_leaves)):
             if (x is None) != (st is None) or not (st is None or isinstance(st, UpdateStats)):
