@@ -254,11 +254,50 @@ def test_old_master_optimizer_state_loads_and_resplits() -> None:
             assert torch.equal(_raw(t), _raw(want)), (names[i], key)
 
 
-def test_old_tree_file_is_refused_with_the_missing_tie_bits() -> None:
-    """A ``mpfunc.save`` tree of units from before tie bits: refused before anything is
-    read into the tree, naming each missing ``ties`` entry (never loaded half-way)."""
+def test_old_tree_file_loads_by_the_old_rule(tmp_path: Path) -> None:
+    """A ``mpfunc.save`` tree of units from before tie bits (no ``ties`` entries): its
+    checksums are verified, each master is read by the old rule and split again by
+    today's, so every master is the saved one, bit for bit, and every param is now
+    ``Tensor.to``'s; ``load_`` writes the same into a run's own tensors."""
     v1 = _v1()
     params = {k: torch.nn.Parameter(v.to(BF16)) for k, v in v1["fp32"].items()}
     m = mpfunc.init_master(params, strategy="remainder")
-    with pytest.raises(ValueError, match=r"missing key 'masters\.matrix\.ties'"):
-        mpfunc.load(FIXTURES / "remainder_v1_tree.pt", like={"masters": m})
+    back = mpfunc.load(FIXTURES / "remainder_v1_tree.pt", like={"masters": m})["masters"]
+    for k, v in v1["fp32"].items():
+        u = back[k]
+        master = _remainder.join(u.param, u.remainder, u.ties)
+        assert_bits_equal(master, v)
+        nan = torch.isnan(v)
+        assert torch.equal(bits(u.param)[~nan], bits(v.to(BF16))[~nan])
+    mpfunc.load_(FIXTURES / "remainder_v1_tree.pt", {"masters": m})
+    for k, v in v1["fp32"].items():
+        assert_bits_equal(_remainder.join(m[k].param.detach(), m[k].remainder, m[k].ties), v)
+    # Saved again, the tree holds tie bits and loads by today's rule.
+    mpfunc.save(tmp_path / "new.pt", {"masters": m})
+    again = mpfunc.load(tmp_path / "new.pt", like={"masters": m})["masters"]
+    for k in v1["fp32"]:
+        for a, b in zip(again[k], m[k]):
+            x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+
+
+def test_old_tree_file_with_a_flipped_byte_is_refused() -> None:
+    """The old-rule read never derives from unverified bytes: a flipped value is caught by
+    the file's checksum first, and the tree is untouched."""
+    v1 = _v1()
+    params = {k: torch.nn.Parameter(v.to(BF16)) for k, v in v1["fp32"].items()}
+    m = mpfunc.init_master(params, strategy="remainder")
+    raw = bytearray((FIXTURES / "remainder_v1_tree.pt").read_bytes())
+    before = {k: (bits(u.param).clone(), u.param._version) for k, u in m.items()}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "old.pt"
+        # Flip one byte near the end of the file (tensor data lies before the zip directory).
+        i = len(raw) // 2
+        raw[i] ^= 0x40
+        path.write_bytes(bytes(raw))
+        with pytest.raises(ValueError):
+            mpfunc.load_(path, {"masters": m})
+    for k, u in m.items():
+        assert torch.equal(bits(u.param), before[k][0]) and u.param._version == before[k][1]

@@ -47,10 +47,12 @@ from mpfunc.checkpoint._state_dict import (
     _manifest,
     _problems,
     _raise_problems,
+    _verify_manifest,
     _write_into,
     state_dict,
 )
 from mpfunc.core import _checks
+from mpfunc.strategies import _remainder
 
 try:  # advisory locks mark a temporary file as in use; POSIX only
     import fcntl
@@ -231,7 +233,9 @@ def _read(
         if sealed and MANIFEST_KEY not in metas:
             raise ValueError(f"{fn}: {where!r} is corrupt: sealed, but it has no manifest")
         metas.pop(MANIFEST_KEY, None)
-        _raise_problems(fn, repr(where), _problems(wanted, metas))
+        untied = _untied_units(wanted, metas)
+        expected = {k: t for k, t in wanted.items() if k not in untied}
+        _raise_problems(fn, repr(where), _problems(expected, metas))
         f.seek(0)
         try:
             sd = torch.load(f, map_location="cpu", weights_only=True)
@@ -242,7 +246,40 @@ def _read(
         raise ValueError(
             f"{fn}: {where!r}: expected a dict of str to tensors, got {type(sd).__name__}"
         )
+    if untied:
+        # Every checksum is verified before anything is derived from the values.
+        sd = dict(_verify_manifest(fn, repr(where), _check_file_sd(fn, where, sd)))
+        for ties_key, (param_key, remainder_key) in untied.items():
+            master = _remainder.join_ties_away(sd[param_key], sd[remainder_key])
+            sd[param_key], sd[remainder_key], sd[ties_key] = _remainder.split(master)
     return where, sd
+
+
+_TIES = ".ties"
+
+
+def _untied_units(
+    wanted: Mapping[str, torch.Tensor], metas: Mapping[str, Any]
+) -> dict[str, tuple[str, str]]:
+    """The ``"remainder"`` units the file holds in the encoding from before tie bits: a
+    ``param`` and a ``remainder`` (ties rounded away from zero) and no ``ties``. Each is
+    read by that rule and split again by today's (``{ties key: (param key, remainder
+    key)}``), so files written before tie bits still load, bit-exact in their masters."""
+    out: dict[str, tuple[str, str]] = {}
+    for k, t in wanted.items():
+        if not k.endswith(_TIES) or k in metas or t.dtype != _remainder.TIE_DTYPE:
+            continue
+        base = k[: -len(_TIES)]
+        pk, rk = base + ".param", base + ".remainder"
+        p, r = wanted.get(pk), wanted.get(rk)
+        if p is None or r is None or pk not in metas or rk not in metas:
+            continue
+        if p.dtype != torch.bfloat16 or r.dtype != torch.int16:
+            continue
+        if tuple(t.shape) != _remainder.tie_shape(p.shape) or r.shape != p.shape:
+            continue
+        out[k] = (pk, rk)
+    return out
 
 
 def load(path: PathLike, like: Any, *, unverified: bool = False) -> Any:
