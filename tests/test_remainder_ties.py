@@ -301,3 +301,69 @@ def test_old_tree_file_with_a_flipped_byte_is_refused() -> None:
             mpfunc.load_(path, {"masters": m})
     for k, u in m.items():
         assert torch.equal(bits(u.param), before[k][0]) and u.param._version == before[k][1]
+
+
+# Leaves the native pass takes whatever their layout: odd row widths (rows of tie bytes
+# padded), transposed and channels_last (the bit found through sizes and strides), 0-d, and
+# long enough that two threads split them inside a row's byte.
+NATIVE_LAYOUTS = [
+    ("contiguous", (129, 37)),
+    ("transposed", (70, 45)),
+    ("channels_last", (4, 5, 9, 33)),
+    ("contiguous", (1003,)),
+    ("0-d", ()),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_native_pass_keeps_tie_bits_on_every_layout(
+    monkeypatch: pytest.MonkeyPatch, name: str, threads: int
+) -> None:
+    """The native pass (impl="auto") and the torch path (its specification) give the same
+    params, remainders and tie bytes at every step, on layouts where a tie bit's byte is
+    not the element index / 8, and the native pass ran."""
+    from mpfunc.backends import _native
+
+    if not _native.available():
+        pytest.skip("no native kernel")
+    calls: list[int] = []
+    native = _native.load()
+    for entry in ("step_composed_", "step_rule_"):
+        fn = getattr(native, entry)
+
+        def spy(*a: Any, _fn: Any = fn) -> Any:
+            calls.append(1)
+            return _fn(*a)
+
+        monkeypatch.setattr(native, entry, spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pa = _params(NATIVE_LAYOUTS, 3, torch.device("cpu"))
+        pb = _params(NATIVE_LAYOUTS, 3, torch.device("cpu"))
+        ma = mpfunc.init_master(pa, strategy="remainder")
+        mb = mpfunc.init_master(pb, strategy="remainder")
+        # The native pass's specification: torch's fused kernel for AdamW, else foreach.
+        oa, ob = (
+            _optimizer(name, "auto"),
+            _optimizer(name, "fused" if name == "adamw" else "foreach"),
+        )
+        sa, sb = oa.init(ma), ob.init(mb)
+        gen = torch.Generator().manual_seed(11)
+        ties = 0
+        for _ in range(6):
+            grads = _grads(pa, gen, torch.device("cpu"))
+            mpfunc.apply_update_(ma, grads, sa, oa)
+            mpfunc.apply_update_(mb, grads, sb, ob)
+            ties += int(sum(int(_raw(m.ties).any()) for m in ma.values()))
+            for k in pa:
+                for x, y in zip(ma[k], mb[k], strict=True):
+                    assert torch.equal(_raw(x), _raw(y)), k
+            for x, y in zip(leaves(sa), leaves(sb), strict=True):
+                if x is not None or y is not None:
+                    assert_bits_equal(x, y)
+    finally:
+        torch.set_num_threads(before)
+    assert calls, "the native pass never ran"
+    assert ties > 0, "no tie bit was ever set"

@@ -224,10 +224,9 @@ def _composed_fits(
     kernel can take this leaf of a master strategy other than plain fp32-with-fp32-state,
     else ``None``: on the CPU, a strategy and param dtype it knows, moments all of one
     format the pass takes (or none: code 0), a grad and model param of its dtypes; the
-    leaf's tensors dense with one stride, and contiguous where draws (``"stochastic"``),
-    tie bits (``"remainder"``, whose rows must be whole bytes: a last dim a multiple of 8,
-    or at most one dim) or a container's blocks (8-bit codes and scales) follow the
-    element index."""
+    leaf's tensors dense with one stride, and contiguous where draws (``"stochastic"``) or a
+    container's blocks (8-bit codes and scales) follow the element index (a
+    ``"remainder"``'s tie bits: contiguous, any dense param of at most 8 dims)."""
     if "native" not in rule.kernels:
         return None
     f = m if s is None else m.param
@@ -263,16 +262,19 @@ def _composed_fits(
     if s is None and fmt == 0:
         return None  # the fp32 kernel's own case (_native_fits)
     if s is not None and s.name == "remainder":
-        # Its tie bits are a bit array in element order only where rows are whole bytes.
-        if f.dim() > 1 and f.shape[-1] % 8:
+        # Its tie bits follow the param's logical layout (any dense one; found through its
+        # sizes and strides), in a contiguous tensor of their own.
+        if f.dim() > _TIE_DIMS or not m[2].is_contiguous():
             return None
-        tensors.append(m[2])
-    if blocked or (s is not None and s.name in ("stochastic", "remainder")):
+    if blocked or (s is not None and s.name == "stochastic"):
         for t in tensors:
             if t is not None and not t.is_contiguous():
                 return None
         return fmt
     return fmt if _same_layout(tensors) else None
+
+
+_TIE_DIMS = 8  # the native pass's kTieDims
 
 
 # --- elementwise optimizers ---------------------------------------------------------------

@@ -889,8 +889,11 @@ MPF_INLINE float uniform(u32 bits) { return float(bits >> 8) * 0x1.0p-24f; }
 
 // ---- _remainder: the fp32 master as its bf16 param (nearest even), its low 16 bits and a
 // tie bit (set at an exact tie that rounded up, and for NaNs whose payload lies in the low
-// half, whose param is the quiet NaN). The tie bits are a flat bit array in element order
-// (the pass takes contiguous leaves whose rows are whole bytes: _plan._composed_fits).
+// half, whose param is the quiet NaN). The tie bits follow the param's logical layout
+// (_remainder.tie_shape: rows along the last dim, each padded to whole bytes), so an
+// element's bit is found from its memory offset through the leaf's sizes and strides
+// (tie_at). A bit is set only where it matters (tie_matters), so the pass reads and writes
+// one only there: an exact tie or a NaN param, rare in training.
 constexpr u32 kInfHigh = 0x7F80;
 constexpr u32 kQNaNHigh = 0x7FC0;
 
@@ -922,10 +925,63 @@ MPF_INLINE u32 split(float x, u16& p, u16& r) {
   r = u16(low);
   return tie;
 }
-MPF_INLINE u32 tie_of(const std::uint8_t* T, std::int64_t i) { return (T[i >> 3] >> (i & 7)) & 1u; }
-MPF_INLINE void set_tie(std::uint8_t* T, std::int64_t i, u32 t) {
-  const int k = int(i & 7);
-  T[i >> 3] = std::uint8_t((T[i >> 3] & ~(1u << k)) | (t << k));
+// Whether join reads the tie bit of (p, r): an exact tie of a finite or infinite param, or a
+// NaN param (split sets bits only there, so everywhere else the bit is 0).
+MPF_INLINE bool tie_matters(u16 p, u16 r) { return (p & 0x7FFFu) > kInfHigh || r == 0x8000u; }
+
+// Where a leaf's tie bits are: its param's sizes and strides (dense, any order of strides)
+// and the bytes of one row.
+constexpr int kTieDims = 8;
+struct TieMap {
+  std::uint8_t* bits = nullptr;
+  int nd = 0;
+  std::int64_t row_bytes = 1;
+  std::int64_t size[kTieDims] = {};
+  std::int64_t stride[kTieDims] = {};
+};
+
+// The byte and bit of the element at memory offset o. In a dense tensor each stride is the
+// product of the sizes of the dims with smaller strides, so (o / stride) % size is that
+// dim's index whatever the order of the strides (transposed, channels_last).
+MPF_INLINE std::int64_t tie_at(const TieMap& T, std::int64_t o, int& bit) {
+  std::int64_t row = 0, col = 0;
+  for (int d = 0; d < T.nd; ++d) {
+    const std::int64_t idx = T.size[d] == 1 ? 0 : (o / T.stride[d]) % T.size[d];
+    if (d + 1 < T.nd) {
+      row = row * T.size[d] + idx;
+    } else {
+      col = idx;
+    }
+  }
+  bit = int(col & 7);
+  return row * T.row_bytes + (col >> 3);
+}
+// A row's byte can hold elements that two threads step (rows need not split at a thread's
+// boundary), so the rare reads and writes of a bit are atomic on its byte.
+MPF_INLINE u32 tie_get(const TieMap& T, std::int64_t o) {
+  int bit;
+  const std::int64_t byte = tie_at(T, o, bit);
+  return (u32(__atomic_load_n(T.bits + byte, __ATOMIC_RELAXED)) >> bit) & 1u;
+}
+TieMap tie_map(const at::Tensor& param, const at::Tensor& ties) {
+  TieMap T;
+  T.bits = static_cast<std::uint8_t*>(ties.data_ptr());
+  T.nd = int(param.dim());
+  for (int d = 0; d < T.nd; ++d) {
+    T.size[d] = param.size(d);
+    T.stride[d] = param.stride(d);
+  }
+  T.row_bytes = T.nd ? (param.size(-1) + 7) / 8 : 1;
+  return T;
+}
+MPF_INLINE void tie_put(const TieMap& T, std::int64_t o, u32 t) {
+  int bit;
+  const std::int64_t byte = tie_at(T, o, bit);
+  if (t) {
+    __atomic_fetch_or(T.bits + byte, std::uint8_t(1u << bit), __ATOMIC_RELAXED);
+  } else {
+    __atomic_fetch_and(T.bits + byte, std::uint8_t(~(1u << bit)), __ATOMIC_RELAXED);
+  }
 }
 
 // ---- _quantize: 32-element blocks, bf16 absmax scales, companded codes ----------------------
@@ -1131,7 +1187,7 @@ void narrow(const float* __restrict__ src, u16* __restrict__ dst, std::int64_t n
 struct CLeaf {
   void* prim;        // the fp32 master, or the unit's param
   void* aux;         // remainder (int16) or compensation (param dtype); else null
-  std::uint8_t* ties;  // "remainder": the tie bits, one per element in element order
+  TieMap ties;       // "remainder": where the tie bits are
   u32 key;           // "stochastic": the key this step draws with
   bool half;         // the param is float16 (else bfloat16)
   const void* grad;
@@ -1201,7 +1257,10 @@ float* load_master(Strategy s, const CLeaf& L, std::int64_t b, std::int64_t e, f
     case kRemainder: {
       const auto* P = static_cast<const u16*>(L.prim);
       const auto* R = static_cast<const u16*>(L.aux);
-      for (std::int64_t i = b; i < e; ++i) scratch[i - b] = join(P[i], R[i], tie_of(L.ties, i));
+      for (std::int64_t i = b; i < e; ++i) {
+        const u32 t = tie_matters(P[i], R[i]) ? tie_get(L.ties, i) : 0u;
+        scratch[i - b] = join(P[i], R[i], t);
+      }
       break;
     }
     case kKahan:
@@ -1222,7 +1281,11 @@ void store_master(Strategy s, const CLeaf& L, std::int64_t b, std::int64_t e, co
     case kRemainder: {
       auto* P = static_cast<u16*>(L.prim);
       auto* R = static_cast<u16*>(L.aux);
-      for (std::int64_t i = b; i < e; ++i) set_tie(L.ties, i, split(x[i - b], P[i], R[i]));
+      for (std::int64_t i = b; i < e; ++i) {
+        const bool was = tie_matters(P[i], R[i]);  // its bit may be set: rewrite it
+        const u32 t = split(x[i - b], P[i], R[i]);
+        if (was || t) tie_put(L.ties, i, t);
+      }
       return;
     }
     case kKahan:
@@ -1411,20 +1474,35 @@ MPF_INLINE void round16(const fVec& x, u32 key, u32 first, u16* P) {
   narrow16(_mm512_mask_mov_epi32(t, nan, i32(BF16::kNaN)), P);
 }
 
+// tie_matters on 32 elements, as a bit mask.
+MPF_INLINE u32 matters32(const u16* P, const u16* R) {
+  const __m512i p = _mm512_loadu_si512(P), r = _mm512_loadu_si512(R);
+  const __m512i mag = _mm512_and_si512(p, _mm512_set1_epi16(0x7FFF));
+  return u32(_mm512_cmpgt_epu16_mask(mag, _mm512_set1_epi16(short(kInfHigh))) |
+             _mm512_cmpeq_epi16_mask(r, _mm512_set1_epi16(short(0x8000))));
+}
+
 struct SRemainder {  // bf16 params only
   static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     const auto* P = static_cast<const u16*>(L.prim) + i;
     const auto* R = static_cast<const u16*>(L.aux) + i;
-    u32 t;  // kBlock = 32 tie bits; i is a multiple of 32 within a leaf
-    std::memcpy(&t, L.ties + (i >> 3), sizeof t);
+    u32 t = 0;
+    for (u32 m = matters32(P, R); m; m &= m - 1) {  // rare: exact ties and NaN params
+      const int j = __builtin_ctz(m);
+      t |= tie_get(L.ties, i + j) << j;
+    }
     p0 = join16(P, R, __mmask16(t));
     p1 = join16(P + kW, R + kW, __mmask16(t >> 16));
   }
   static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
     auto* P = static_cast<u16*>(L.prim) + i;
     auto* R = static_cast<u16*>(L.aux) + i;
+    const u32 was = matters32(P, R);  // bits that may be set: rewritten below
     const u32 t = u32(split16(p0, P, R)) | (u32(split16(p1, P + kW, R + kW)) << 16);
-    std::memcpy(L.ties + (i >> 3), &t, sizeof t);
+    for (u32 m = was | t; m; m &= m - 1) {
+      const int j = __builtin_ctz(m);
+      tie_put(L.ties, i + j, (t >> j) & 1u);
+    }
   }
 };
 
@@ -1795,7 +1873,7 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
   check_scalar("grad_scale", grad_scale);
   check_scalar("found_inf", found_inf, /*or_bool=*/true);
   // Draws, blocks and tie bits follow the index.
-  const bool positional = s == kStochastic || s == kRemainder || f == kU8;
+  const bool positional = s == kStochastic || f == kU8;
   const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
   std::optional<c10::ScalarType> out_dtype;
   if (has_out && n) out_dtype = params_out[0].scalar_type();
@@ -1831,10 +1909,13 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
       fits("remainder", auxs[i], c10::ScalarType::Short, true);
       const at::Tensor& t = auxs[n + i];
       fits("ties", t, c10::ScalarType::Byte, false);
-      TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == (p.numel() + 7) / 8 &&
-                            (p.dim() <= 1 || p.size(-1) % 8 == 0),
-                        fn, ": at [", i, "]: expected tie bits of whole bytes per row, got ",
-                        describe(t), " for a master of shape ", p.sizes());
+      std::vector<std::int64_t> want(p.sizes().begin(), p.sizes().end());
+      if (!want.empty()) want.back() = (want.back() + 7) / 8;
+      TORCH_CHECK_VALUE(t.is_contiguous() && t.sizes() == c10::IntArrayRef(want) &&
+                            p.dim() <= kTieDims,
+                        fn, ": at [", i, "]: expected tie bits of shape ", c10::IntArrayRef(want),
+                        " (contiguous; at most ", kTieDims, " dims), got ", describe(t),
+                        " for a master of shape ", p.sizes());
     }
     if (s == kKahan) fits("compensation", auxs[i], pt, true);
     if (s == kStochastic) {
@@ -1971,7 +2052,7 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
     CLeaf& L = leaves[i];
     L.prim = prims[i].data_ptr();
     L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
-    L.ties = s == kRemainder ? static_cast<std::uint8_t*>(auxs[n + i].data_ptr()) : nullptr;
+    L.ties = s == kRemainder ? tie_map(prims[i], auxs[n + i]) : TieMap{};
     L.key = s == kStochastic ? u32(*auxs[i].data_ptr<std::int32_t>()) : 0u;
     L.half = prims[i].scalar_type() == c10::ScalarType::Half;
     L.grad = grads[i].data_ptr();
@@ -2388,7 +2469,7 @@ void step_rule_(std::int64_t rule, std::int64_t strategy, std::int64_t format,
     CLeaf& L = R.c;
     L.prim = prims[i].data_ptr();
     L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
-    L.ties = s == kRemainder ? static_cast<std::uint8_t*>(auxs[n + i].data_ptr()) : nullptr;
+    L.ties = s == kRemainder ? tie_map(prims[i], auxs[n + i]) : TieMap{};
     L.key = s == kStochastic ? u32(*auxs[i].data_ptr<std::int32_t>()) : 0u;
     L.half = prims[i].scalar_type() == c10::ScalarType::Half;
     L.grad = grads[i].data_ptr();
