@@ -116,7 +116,7 @@ FORMAT = StateFormat(
     load=_load,
     store=_store,
     layout=_layout,
-    native=None,
+    native=3,
     xla=True,
     salted=True,
 )
