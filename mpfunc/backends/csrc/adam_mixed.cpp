@@ -1179,83 +1179,118 @@ const Tables4& tables4() {
 }
 
 // fp32 values of elements [b, e) (b block-aligned, e - b <= kTile) from packed nibbles
-// (element j: byte j / 2, low nibble first) and scales: _quantize4.dequantize4's operations.
+// (element j: byte j / 2, low nibble first) and scales: _quantize4.dequantize4's operations,
+// in decode's phases (nibbles, scales, table reads, products).
 template <bool kSigned>
 void decode4(const void* codes, const u16* scales, std::int64_t b, std::int64_t e, float* out) {
   const float* __restrict__ T = kSigned ? tables4().s : tables4().u;
   const auto* c = static_cast<const std::uint8_t*>(codes) + b / 2;
-  const std::int64_t n = e - b;
-  for (std::int64_t k = 0; k * kQBlock < n; ++k) {
+  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock;
+  alignas(64) std::int32_t idx[kTile];
+  alignas(64) float sc[kTile / kQBlock], ex[kTile], val[kTile];
+  for (std::int64_t p = 0; p < blocks * kQBlock / 2; ++p) {  // (past n: the padding's 0s)
+    const std::int32_t byte = 2 * p < n ? c[p] : 0;
+    idx[2 * p] = byte & 15;
+    idx[2 * p + 1] = 2 * p + 1 < n ? byte >> 4 : 0;
+  }
+  for (std::int64_t k = 0; k < blocks; ++k) {
     const float f = BF16::load(scales[b / kQBlock + k]);
     // Unsigned: a zero scale reads as fp32's smallest normal (std::max keeps a NaN).
-    const float s = kSigned ? f : std::max(f, kTiny);
-    const std::int64_t end = std::min(n, (k + 1) * kQBlock);
-    for (std::int64_t i = k * kQBlock; i < end; ++i) {
-      float y = T[(c[i >> 1] >> ((i & 1) * 4)) & 15] * s;
-      if (!kSigned) y = y * y;
-      out[i] = std::fabs(y) < kTiny ? 0.0f : y;
-    }
+    sc[k] = kSigned ? f : std::max(f, kTiny);
+  }
+  expand(sc, blocks, ex);
+  for (std::int64_t k = 0; k < blocks; ++k) gather_block(T, idx + k * kQBlock, val + k * kQBlock);
+  for (std::int64_t i = 0; i < n; ++i) {
+    float y = val[i] * ex[i];
+    if (!kSigned) y = y * y;
+    out[i] = std::fabs(y) < kTiny ? 0.0f : y;
   }
 }
 
 // Packed nibbles and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32
-// values; with kNoise, rounded stochastically with the draws of (key, element index).
-// _quantize4._encode, _round_stochastic and _pack, each element's operations in order;
-// an odd last element leaves its byte's high nibble 0 (the padding's code).
+// values: signed to nearest, or (kNoise) unsigned rounded stochastically with the draws of
+// (key, element index), the two forms the pass stores. _quantize4._encode,
+// _round_stochastic and _pack, each element's operations in order, in encode's phases; an
+// odd last element leaves its byte's high nibble 0 (the padding's code).
 template <bool kSigned, bool kNoise>
 void encode4(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* scales, u32 key) {
+  static_assert(kSigned != kNoise, "signed to nearest, unsigned stochastically");
   const float* __restrict__ T = kSigned ? tables4().s : tables4().u;
   constexpr float kLevels = kSigned ? 7.0f : 14.0f;
   constexpr float kLow = kSigned ? -7.0f : 0.0f;
   constexpr std::int32_t kMark = kSigned ? -8 : 15;
-  auto* o = static_cast<std::uint8_t*>(codes) + b / 2;
-  const std::int64_t n = e - b;
-  for (std::int64_t k = 0; k * kQBlock < n; ++k) {
-    const std::int64_t base = k * kQBlock, m = std::min<std::int64_t>(kQBlock, n - base);
-    float v[kQBlock];
-    bool ok[kQBlock], keep[kQBlock];
-    float amax = 0.0f;
-    for (std::int64_t j = 0; j < kQBlock; ++j) {
-      const float x = j < m ? in[base + j] : 0.0f;
-      ok[j] = (x - x) == 0.0f && (kSigned || x > -kTiny);
-      keep[j] = ok[j] && std::fabs(x) >= kTiny;
-      float vj = keep[j] ? x : 0.0f;
-      if (!kSigned) vj = std::sqrt(vj);
-      v[j] = vj;
-      amax = std::max(amax, std::fabs(vj));  // finite and non-negative: any order
-    }
+  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
+  alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
+  alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
+  // Phase 1: which elements are coded, and the magnitudes the scale covers (padding: 0).
+  for (std::int64_t i = 0; i < padded; ++i) {
+    const float x = i < n ? in[i] : 0.0f;
+    const bool okj = (x - x) == 0.0f && (kSigned || x > -kTiny);
+    const bool keepj = okj && std::fabs(x) >= kTiny;
+    float vj = keepj ? x : 0.0f;
+    if (!kSigned) vj = std::sqrt(vj);
+    v[i] = vj;
+    ok[i] = okj;
+    keep[i] = keepj;
+  }
+  // Phase 2: per block, the largest magnitude as a bf16 scale; the divisor.
+  for (std::int64_t k = 0; k < blocks; ++k) {
+    fVec m = fVec::loadu(v + k * kQBlock).abs();
+    for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
+    const float amax = at::vec::vec_reduce_all<float>(
+        [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
     const u16 scale = BF16::store(std::min(amax, kBF16Max));
     scales[b / kQBlock + k] = scale;
     const float sf = BF16::load(scale);
-    const float dd = sf > 0.0f ? sf : 1.0f;  // an all-zero block keeps codes 0
-    std::int32_t nib[kQBlock];
-    for (std::int64_t j = 0; j < kQBlock; ++j) {
-      const float q = v[j] / dd;
-      const float y = std::fabs(q) < kTiny ? 0.0f : q;
-      const float t = (y + y) / (std::fabs(y) + 1.0f);
-      std::int32_t c;
-      if constexpr (!kNoise) {
-        c = std::int32_t(std::min(std::max(std::nearbyint(t * kLevels), kLow), kLevels));
-      } else {
-        const std::int32_t lo =
-            std::int32_t(std::min(std::max(std::floor(t * kLevels), kLow), kLevels - 1.0f));
-        float a = T[lo & 15], h = T[(lo + 1) & 15], value = y;
-        if (!kSigned) {
-          const float yy = y * y;
-          value = std::fabs(yy) < kTiny ? 0.0f : yy;
-          a = a * a;
-          h = h * h;
-        }
-        const float u = uniform(draw(key, u32(b + base + j)));
-        c = lo + std::int32_t(u < (value - a) / (h - a));
-      }
-      if (!kSigned && keep[j] && c < 1) c = 1;  // a positive second moment never decodes to 0
-      c = ok[j] ? c : kMark;
-      nib[j] = j < m ? (c & 15) : 0;
+    dd[k] = sf > 0.0f ? sf : 1.0f;  // an all-zero block keeps its codes 0
+  }
+  expand(dd, blocks, ex);
+  // Phase 3: the companded value and its code.
+  if constexpr (!kNoise) {
+    for (std::int64_t i = 0; i < padded; ++i) {
+      const float q = v[i] / ex[i];
+      const float yj = std::fabs(q) < kTiny ? 0.0f : q;
+      const float t = (yj + yj) / (std::fabs(yj) + 1.0f);
+      const float r = std::nearbyint(t * kLevels);
+      code[i] = std::int32_t(std::min(std::max(r, kLow), kLevels));
     }
-    for (std::int64_t p = 0; 2 * p < m; ++p) {
-      o[base / 2 + p] = std::uint8_t(nib[2 * p] | (nib[2 * p + 1] << 4));
+  } else {
+    alignas(64) float u[kTile], lo_v[kTile], hi_v[kTile];
+    const fVec tiny(kTiny), one(1.0f), zero(0.0f);
+    for (std::int64_t i = 0; i < padded; i += kW) {
+      const fVec q = fVec::loadu(v + i) / fVec::loadu(ex + i);
+      const fVec yj = fVec::blendv(q, zero, q.abs() < tiny);
+      const fVec t = (yj + yj) / (yj.abs() + one);
+      // floor(t * levels) clamped to [0, levels - 1] (clamping first is the same).
+      const fVec x = at::vec::minimum(at::vec::maximum(t * fVec(kLevels), fVec(kLow)),
+                                      fVec(kLevels - 1.0f));
+      yj.store(y + i);
+      at::vec::convert_to_int_of_same_size(x.floor()).store(code + i);
     }
+    // (unsigned: lo in 0..13, so lo + 1 is the next entry)
+    for (std::int64_t k = 0; k < blocks; ++k) {
+      gather_block(T, code + k * kQBlock, lo_v + k * kQBlock);
+      gather_block(T + 1, code + k * kQBlock, hi_v + k * kQBlock);
+    }
+    const u32 base = u32(b);
+    for (std::int64_t i = 0; i < padded; ++i) u[i] = uniform(draw(key, base + u32(i)));
+    for (std::int64_t i = 0; i < padded; ++i) {
+      const float yy = y[i] * y[i];
+      const float value = std::fabs(yy) < kTiny ? 0.0f : yy;
+      const float a = lo_v[i] * lo_v[i], h = hi_v[i] * hi_v[i];
+      code[i] = code[i] + std::int32_t(u[i] < (value - a) / (h - a));
+    }
+  }
+  // Phase 4: a positive second moment never decodes to 0; non-finite values get the mark.
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int32_t c = code[i];
+    if (!kSigned) c = keep[i] && c < 1 ? 1 : c;
+    code[i] = ok[i] ? c : kMark;
+  }
+  if (n % 2) code[n] = 0;  // the padding's code: its byte's high nibble
+  auto* o = static_cast<std::uint8_t*>(codes) + b / 2;
+  for (std::int64_t p = 0; p < (n + 1) / 2; ++p) {
+    o[p] = std::uint8_t((code[2 * p] & 15) | ((code[2 * p + 1] & 15) << 4));
   }
 }
 
