@@ -330,3 +330,26 @@ def test_native_4bit_equals_torch_path(
         torch.set_num_threads(before)
     assert_trees_bits_equal(got, want, nan_payload=False)
     assert calls, "the native pass never ran"
+
+
+def test_native_refuses_wrong_4bit_codes_before_writing(native: Any) -> None:
+    # Packed codes are flat, (numel + 1) // 2 bytes, int8 for the first moment and uint8
+    # for the second: anything else is refused before a byte is written.
+    p = torch.randn(65).bfloat16()
+    g = torch.randn(65).bfloat16()
+    m, v = torch.zeros(33, dtype=torch.int8), torch.zeros(33, dtype=torch.uint8)
+    sm, sv = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)
+    step = torch.zeros(())
+    before = snapshot([p, m, v, sm, sv, step])
+    args = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                decoupled=True, amsgrad=False, maximize=False, grad_scale=None,
+                found_inf=None)  # fmt: skip
+    for data, match in [
+        ([[m[:32]], [v]], r"at \[0\]: state: expected 33 contiguous packed bytes"),
+        ([[m], [v.view(3, 11)]], r"at \[0\]: state: expected 33 contiguous packed bytes"),
+        ([[m.view(torch.uint8)], [v]], r"at \[0\]: state: unexpected"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            native.step_composed_(4, 3, [p], [], [g], data, [[sm], [sv]], [step], [], [0],
+                                  *args.values())  # fmt: skip
+    assert_unchanged([p, m, v, sm, sv, step], before)
