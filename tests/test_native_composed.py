@@ -4,7 +4,8 @@ kernel on fp32 temporaries, the state format's and the strategy's stores.
 
 Drawn: strategies, state dtypes, amsgrad, Adam and AdamW, grad dtypes, fp16 params where
 the strategy takes them, layouts (the native pass takes dense leaves, and contiguous ones
-where draws or 8-bit blocks follow the element index; the rest stay on the torch path),
+where draws or 8- and 4-bit blocks follow the element index; the rest stay on the torch
+path),
 NaN/inf/subnormal/huge values, skipped steps, loss scales, tensor lrs and several steps.
 Bits must agree (NaN payloads aside), and the native kernel must have run where it can.
 """
@@ -26,9 +27,11 @@ from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, sna
 from tests.support.native import native_module
 
 STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
-STATE_DTYPES = [None, torch.bfloat16, torch.uint8]
-# (name, shape, make from a contiguous tensor): n % 16 and n % 8 tails included; every
-# shape holds at least one 8-bit block.
+U4 = torch.uint4  # type: ignore[attr-defined]  (absent from torch's stubs)
+STATE_DTYPES = [None, torch.bfloat16, torch.uint8, U4]
+BLOCKED = (torch.uint8, U4)  # moments in 32-element blocks whose codes follow the index
+# (name, shape, make from a contiguous tensor): n % 16 and n % 8 tails included (odd
+# lengths: a 4-bit state's last byte is half used); every shape holds at least one block.
 LAYOUTS: list[tuple[str, tuple[int, ...]]] = [
     ("contiguous", (37,)),
     ("contiguous", (1000,)),
@@ -150,7 +153,7 @@ def test_native_composed_equals_torch_path(composed: list[int], data: st.DataObj
     # Grads are contiguous (channels_last for 4-d leaves): the native pass takes every leaf
     # whose param shares that layout.
     if any(kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
-        c["strategy"] == "stochastic" or c["state_dtype"] == torch.uint8))
+        c["strategy"] == "stochastic" or c["state_dtype"] in BLOCKED))
         for kind, _ in c["layouts"]):  # fmt: skip
         assert composed, "the native composed step never ran"
 
@@ -208,6 +211,16 @@ def test_decode_tables_are_one_division() -> None:
     assert torch.equal(_quantize._TABLE_CPU[False][:255], k / (508 - k))
 
 
+def _wide_rule(rule: str, state_dtype: Any, impl: str) -> Any:
+    kw: dict[str, Any] = dict(state_dtype=state_dtype, impl=impl)
+    return {
+        "adamw": lambda: mpfunc.adamw(lr=1e-2, weight_decay=0.1, **kw),
+        "adamw-amsgrad": lambda: mpfunc.adamw(lr=1e-2, weight_decay=0.1, amsgrad=True, **kw),
+        "sgd": lambda: mpfunc.sgd(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, **kw),
+        "lion": lambda: mpfunc.lion(lr=1e-3, weight_decay=0.1, **kw),
+    }[rule]()
+
+
 def _wide(gen: torch.Generator, n: int) -> torch.Tensor:
     # Magnitudes from 1e-38 to 1e30, all-zero blocks, specials, and blocks whose largest
     # value rounds up to the next bf16 scale.
@@ -222,13 +235,14 @@ def _wide(gen: torch.Generator, n: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("state_dtype", BLOCKED, ids=str)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("rule", ["adamw", "adamw-amsgrad", "sgd", "lion"])
 def test_fused_8bit_blocks_equal_the_tiles(
-    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str, rule: str
+    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str, rule: str, state_dtype: Any
 ) -> None:
-    # The 8-bit moments' fused piece (registers, divisions) against the tiles (tables,
-    # phases), both checked against the torch path above, on values far wider than an
+    # The 8- and 4-bit moments' fused pieces (registers) against the tiles (tables,
+    # phases), both checked against the torch path, on values far wider than an
     # optimizer's: each bit of codes, scales, masters and params must agree.
     def run(tiles: bool) -> Any:
         if tiles:
@@ -238,16 +252,7 @@ def test_fused_8bit_blocks_equal_the_tiles(
         gen = torch.Generator().manual_seed(7)
         params = {"w": _wide(gen, 4096).bfloat16().view(64, 64), "b": _wide(gen, 1000).bfloat16()}
         masters = mpfunc.init_master(params, strategy=strategy, seed=5)
-        opt = {
-            "adamw": lambda: mpfunc.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.uint8),
-            "adamw-amsgrad": lambda: mpfunc.adamw(
-                lr=1e-2, weight_decay=0.1, amsgrad=True, state_dtype=torch.uint8
-            ),
-            "sgd": lambda: mpfunc.sgd(
-                lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, state_dtype=torch.uint8
-            ),
-            "lion": lambda: mpfunc.lion(lr=1e-3, weight_decay=0.1, state_dtype=torch.uint8),
-        }[rule]()
+        opt = _wide_rule(rule, state_dtype, "auto")
         state = opt.init(masters)
         kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
         for _ in range(3):
@@ -277,3 +282,74 @@ def test_a_momentum_above_bf16s_largest_keeps_its_8bit_block(strategy: str) -> N
     assert_trees_bits_equal(got, want, nan_payload=False)
     buf = got[2].momentum_buffer["w"]
     assert bool(buf.scale.float().isfinite().all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_native_4bit_equals_torch_path(
+    monkeypatch: pytest.MonkeyPatch, native: Any, data: st.DataObject
+) -> None:
+    # The 4-bit moments in the native pass (fused blocks and tiles) against the torch
+    # path, bit for bit: every strategy with Adam/AdamW/amsgrad, SGD and Lion, values
+    # from 1e-38 to 1e30 with zero blocks and specials, odd lengths (a half-used last
+    # byte, a partial last block), one or two threads over small work items.
+    strategy = data.draw(st.sampled_from(STRATEGIES), "strategy")
+    rule = data.draw(st.sampled_from(["adamw", "adamw-amsgrad", "sgd", "lion"]), "rule")
+    sizes = data.draw(st.lists(st.integers(32, 700), min_size=1, max_size=3), "sizes")
+    threads = data.draw(st.sampled_from([1, 2]), "threads")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+
+    def run(impl: str) -> Any:
+        gen = torch.Generator().manual_seed(seed)
+        params = {f"p{i}": _wide(gen, n).bfloat16() for i, n in enumerate(sizes)}
+        masters = mpfunc.init_master(params, strategy=strategy, seed=5)
+        opt = _wide_rule(rule, U4, impl)
+        state = opt.init(masters)
+        kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
+        for _ in range(3):
+            grads = {k: _wide(gen, v.numel()).bfloat16() for k, v in params.items()}
+            masters, state = mpfunc.apply_update_(masters, grads, state, opt, **kw)
+        return params, masters, state
+
+    from mpfunc.backends import _native
+
+    real = _adam._composed
+    calls: list[int] = []
+    rule_step = _native.rule_step
+    monkeypatch.setattr(_native, "rule_step", lambda *a: calls.append(0) or rule_step(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    old = native._tune(64 if threads > 1 else 1 << 15, False)  # items of 64: threads split leaves
+    try:
+        want = run("fused" if rule.startswith("adamw") else "foreach")
+        assert not calls
+        monkeypatch.setattr(_adam, "_composed", lambda *a: calls.append(1) or real(*a))
+        got = run("auto")
+    finally:
+        native._tune(*old)
+        torch.set_num_threads(before)
+    assert_trees_bits_equal(got, want, nan_payload=False)
+    assert calls, "the native pass never ran"
+
+
+def test_native_refuses_wrong_4bit_codes_before_writing(native: Any) -> None:
+    # Packed codes are flat, (numel + 1) // 2 bytes, int8 for the first moment and uint8
+    # for the second: anything else is refused before a byte is written.
+    p = torch.randn(65).bfloat16()
+    g = torch.randn(65).bfloat16()
+    m, v = torch.zeros(33, dtype=torch.int8), torch.zeros(33, dtype=torch.uint8)
+    sm, sv = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)
+    step = torch.zeros(())
+    before = snapshot([p, m, v, sm, sv, step])
+    args = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                decoupled=True, amsgrad=False, maximize=False, grad_scale=None,
+                found_inf=None)  # fmt: skip
+    for data, match in [
+        ([[m[:32]], [v]], r"at \[0\]: state: expected 33 contiguous packed bytes"),
+        ([[m], [v.view(3, 11)]], r"at \[0\]: state: expected 33 contiguous packed bytes"),
+        ([[m.view(torch.uint8)], [v]], r"at \[0\]: state: unexpected"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            native.step_composed_(4, 3, [p], [], [g], data, [[sm], [sv]], [step], [], [0],
+                                  *args.values())  # fmt: skip
+    assert_unchanged([p, m, v, sm, sv, step], before)

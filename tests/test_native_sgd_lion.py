@@ -28,7 +28,15 @@ from mpfunc.core._optimizer import Group
 from mpfunc.optim import _adam, _lion, _sgd
 from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
 from tests.support.native import native_module
-from tests.test_native_composed import LAYOUTS, STATE_DTYPES, STRATEGIES, _laid, _numel, _values
+from tests.test_native_composed import (
+    BLOCKED,
+    LAYOUTS,
+    STATE_DTYPES,
+    STRATEGIES,
+    _laid,
+    _numel,
+    _values,
+)
 
 # (40017 elements: two parts at 2 threads, each ending in a scalar tail of torch's lerp)
 LONG = ("contiguous", (40017,))
@@ -151,7 +159,7 @@ def test_native_sgd_lion_equal_torch_path(
     # whose param shares that layout.
     if _serves(c["name"], c["kw"].get("betas", (0.9, 0.99))) and any(
         kind in ("contiguous", "channels_last") and (kind == "contiguous" or not (
-        c["strategy"] in ("stochastic", "remainder") or c["state_dtype"] == torch.uint8))
+        c["strategy"] in ("stochastic", "remainder") or c["state_dtype"] in BLOCKED))
         for kind, _ in c["layouts"]):  # fmt: skip
         assert ran, "the native pass never ran"
 

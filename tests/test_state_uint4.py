@@ -179,10 +179,10 @@ def test_bad_input_names_the_path_and_writes_nothing() -> None:
 
 def test_registry_says_which_back_ends_serve_it() -> None:
     f = _state_format.FORMATS[U4]
-    assert f.container is Q4State and f.native is None and f.xla
+    assert f.container is Q4State and f.native == 3 and f.xla and f.salted
     from mpfunc.backends import _native
 
-    assert U4 not in _native.FORMAT_CODES
+    assert _native.FORMAT_CODES[U4] == 3
 
 
 def _run(device: torch.device, strategy: str, steps: int) -> Any:

@@ -76,7 +76,8 @@ and the CPU does not. A leaf smaller than one block is refused (``ValueError`` p
 
 Wired as the state format ``state_dtype=torch.uint4`` (``_uint4``): the torch path, and
 on XLA the one-node kernels through ``decode_ops``/``encode_ops`` below (the same bits);
-the native pass does not carry this codec yet. See
+on the CPU the native pass (``csrc/adam_mixed.cpp``: ``FU4``, ``decode4``, ``encode4``, the
+same operations in the same order, the same bits). See
 docs/design.md#the-8-bit-moment-codec for the rules shared with the 8-bit format.
 """
 

@@ -13,7 +13,7 @@
 * ``torch.uint4``: 4-bit moments (``_uint4``, the codec ``_quantize4``: 32-element blocks
   with a bf16 scale, companded 4-bit codes packed two per byte; a ``Q4State(codes,
   scale)`` per leaf, 1.125 bytes per element for both Adam moments), rounded as at 8 bits.
-  The XLA node serves it; on the CPU the torch path (the native pass does not yet).
+  The XLA node and the native CPU pass (format code 3) serve it, with the torch path's bits.
 
 Every load/store is sync-free and runs on CPU, CUDA and XLA.
 

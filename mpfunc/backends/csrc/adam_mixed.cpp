@@ -858,7 +858,9 @@ void adam_mixed_(const std::vector<at::Tensor>& masters, const std::vector<at::T
 namespace composed {
 
 enum Strategy : std::int64_t { kFP32 = 0, kRemainder = 1, kKahan = 2, kStochastic = 3, kNone = 4 };
-enum Format : std::int64_t { kF32 = 0, kBF16 = 1, kU8 = 2 };
+enum Format : std::int64_t { kF32 = 0, kBF16 = 1, kU8 = 2, kU4 = 3 };
+// The formats of 32-element blocks with bf16 scales (8-bit codes, or 4-bit two a byte).
+constexpr bool blocked(Format f) { return f == kU8 || f == kU4; }
 
 // A multiple of the 8-bit format's 32-element block and of 64 (work items start at
 // multiples of g_chunk, itself a multiple of 64), so tiles never split a block.
@@ -1153,6 +1155,145 @@ void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* s
   }
 }
 
+// ---- _quantize4: 4-bit codes, two a byte, in the 8-bit format's 32-element blocks ----------
+// Nibble n -> value: the signed map's n - 16 above 7 (8: the mark, NaN), over 7 levels; the
+// unsigned map's n over 14 levels (15: the mark, +inf). _quantize4._decode_table, rounded
+// once from double to float as there.
+struct Tables4 {
+  alignas(64) float s[16];
+  alignas(64) float u[16];
+  Tables4() {
+    for (int n = 0; n < 16; ++n) {
+      const double ts = double(n >= 8 ? n - 16 : n) / 7;
+      s[n] = float(ts / (2 - std::fabs(ts)));
+      const double tu = double(n) / 14;
+      u[n] = float(tu / (2 - std::fabs(tu)));
+    }
+    s[8] = std::numeric_limits<float>::quiet_NaN();
+    u[15] = std::numeric_limits<float>::infinity();
+  }
+};
+const Tables4& tables4() {
+  static const Tables4 t;
+  return t;
+}
+
+// fp32 values of elements [b, e) (b block-aligned, e - b <= kTile) from packed nibbles
+// (element j: byte j / 2, low nibble first) and scales: _quantize4.dequantize4's operations,
+// in decode's phases (nibbles, scales, table reads, products).
+template <bool kSigned>
+void decode4(const void* codes, const u16* scales, std::int64_t b, std::int64_t e, float* out) {
+  const float* __restrict__ T = kSigned ? tables4().s : tables4().u;
+  const auto* c = static_cast<const std::uint8_t*>(codes) + b / 2;
+  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock;
+  alignas(64) std::int32_t idx[kTile];
+  alignas(64) float sc[kTile / kQBlock], ex[kTile], val[kTile];
+  for (std::int64_t p = 0; p < blocks * kQBlock / 2; ++p) {  // (past n: the padding's 0s)
+    const std::int32_t byte = 2 * p < n ? c[p] : 0;
+    idx[2 * p] = byte & 15;
+    idx[2 * p + 1] = 2 * p + 1 < n ? byte >> 4 : 0;
+  }
+  for (std::int64_t k = 0; k < blocks; ++k) {
+    const float f = BF16::load(scales[b / kQBlock + k]);
+    // Unsigned: a zero scale reads as fp32's smallest normal (std::max keeps a NaN).
+    sc[k] = kSigned ? f : std::max(f, kTiny);
+  }
+  expand(sc, blocks, ex);
+  for (std::int64_t k = 0; k < blocks; ++k) gather_block(T, idx + k * kQBlock, val + k * kQBlock);
+  for (std::int64_t i = 0; i < n; ++i) {
+    float y = val[i] * ex[i];
+    if (!kSigned) y = y * y;
+    out[i] = std::fabs(y) < kTiny ? 0.0f : y;
+  }
+}
+
+// Packed nibbles and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32
+// values: signed to nearest, or (kNoise) unsigned rounded stochastically with the draws of
+// (key, element index), the two forms the pass stores. _quantize4._encode,
+// _round_stochastic and _pack, each element's operations in order, in encode's phases; an
+// odd last element leaves its byte's high nibble 0 (the padding's code).
+template <bool kSigned, bool kNoise>
+void encode4(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* scales, u32 key) {
+  static_assert(kSigned != kNoise, "signed to nearest, unsigned stochastically");
+  const float* __restrict__ T = kSigned ? tables4().s : tables4().u;
+  constexpr float kLevels = kSigned ? 7.0f : 14.0f;
+  constexpr float kLow = kSigned ? -7.0f : 0.0f;
+  constexpr std::int32_t kMark = kSigned ? -8 : 15;
+  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
+  alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
+  alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
+  // Phase 1: which elements are coded, and the magnitudes the scale covers (padding: 0).
+  for (std::int64_t i = 0; i < padded; ++i) {
+    const float x = i < n ? in[i] : 0.0f;
+    const bool okj = (x - x) == 0.0f && (kSigned || x > -kTiny);
+    const bool keepj = okj && std::fabs(x) >= kTiny;
+    float vj = keepj ? x : 0.0f;
+    if (!kSigned) vj = std::sqrt(vj);
+    v[i] = vj;
+    ok[i] = okj;
+    keep[i] = keepj;
+  }
+  // Phase 2: per block, the largest magnitude as a bf16 scale; the divisor.
+  for (std::int64_t k = 0; k < blocks; ++k) {
+    fVec m = fVec::loadu(v + k * kQBlock).abs();
+    for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
+    const float amax = at::vec::vec_reduce_all<float>(
+        [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
+    const u16 scale = BF16::store(std::min(amax, kBF16Max));
+    scales[b / kQBlock + k] = scale;
+    const float sf = BF16::load(scale);
+    dd[k] = sf > 0.0f ? sf : 1.0f;  // an all-zero block keeps its codes 0
+  }
+  expand(dd, blocks, ex);
+  // Phase 3: the companded value and its code.
+  if constexpr (!kNoise) {
+    for (std::int64_t i = 0; i < padded; ++i) {
+      const float q = v[i] / ex[i];
+      const float yj = std::fabs(q) < kTiny ? 0.0f : q;
+      const float t = (yj + yj) / (std::fabs(yj) + 1.0f);
+      const float r = std::nearbyint(t * kLevels);
+      code[i] = std::int32_t(std::min(std::max(r, kLow), kLevels));
+    }
+  } else {
+    alignas(64) float u[kTile], lo_v[kTile], hi_v[kTile];
+    const fVec tiny(kTiny), one(1.0f), zero(0.0f);
+    for (std::int64_t i = 0; i < padded; i += kW) {
+      const fVec q = fVec::loadu(v + i) / fVec::loadu(ex + i);
+      const fVec yj = fVec::blendv(q, zero, q.abs() < tiny);
+      const fVec t = (yj + yj) / (yj.abs() + one);
+      // floor(t * levels) clamped to [0, levels - 1] (clamping first is the same).
+      const fVec x = at::vec::minimum(at::vec::maximum(t * fVec(kLevels), fVec(kLow)),
+                                      fVec(kLevels - 1.0f));
+      yj.store(y + i);
+      at::vec::convert_to_int_of_same_size(x.floor()).store(code + i);
+    }
+    // (unsigned: lo in 0..13, so lo + 1 is the next entry)
+    for (std::int64_t k = 0; k < blocks; ++k) {
+      gather_block(T, code + k * kQBlock, lo_v + k * kQBlock);
+      gather_block(T + 1, code + k * kQBlock, hi_v + k * kQBlock);
+    }
+    const u32 base = u32(b);
+    for (std::int64_t i = 0; i < padded; ++i) u[i] = uniform(draw(key, base + u32(i)));
+    for (std::int64_t i = 0; i < padded; ++i) {
+      const float yy = y[i] * y[i];
+      const float value = std::fabs(yy) < kTiny ? 0.0f : yy;
+      const float a = lo_v[i] * lo_v[i], h = hi_v[i] * hi_v[i];
+      code[i] = code[i] + std::int32_t(u[i] < (value - a) / (h - a));
+    }
+  }
+  // Phase 4: a positive second moment never decodes to 0; non-finite values get the mark.
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int32_t c = code[i];
+    if (!kSigned) c = keep[i] && c < 1 ? 1 : c;
+    code[i] = ok[i] ? c : kMark;
+  }
+  if (n % 2) code[n] = 0;  // the padding's code: its byte's high nibble
+  auto* o = static_cast<std::uint8_t*>(codes) + b / 2;
+  for (std::int64_t p = 0; p < (n + 1) / 2; ++p) {
+    o[p] = std::uint8_t((code[2 * p] & 15) | ((code[2 * p + 1] & 15) << 4));
+  }
+}
+
 // dst[0, n) <- float(src[0, n)) for a 16-bit type X, with ATen's vector conversions.
 template <class X>
 void widen(const u16* __restrict__ src, float* __restrict__ dst, std::int64_t n) {
@@ -1321,6 +1462,10 @@ float* load_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t 
       is_signed ? decode<true>(L.data[k], L.scale[k], b, e, scratch)
                 : decode<false>(L.data[k], L.scale[k], b, e, scratch);
       break;
+    case kU4:
+      is_signed ? decode4<true>(L.data[k], L.scale[k], b, e, scratch)
+                : decode4<false>(L.data[k], L.scale[k], b, e, scratch);
+      break;
   }
   return scratch;
 }
@@ -1338,6 +1483,13 @@ void store_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t b
         encode<true, false>(x, b, e, L.data[k], L.scale[k], 0);
       } else {
         encode<false, true>(x, b, e, L.data[k], L.scale[k], L.vkey);
+      }
+      return;
+    case kU4:
+      if (is_signed) {
+        encode4<true, false>(x, b, e, L.data[k], L.scale[k], 0);
+      } else {
+        encode4<false, true>(x, b, e, L.data[k], L.scale[k], L.vkey);
       }
       return;
   }
@@ -1709,6 +1861,125 @@ struct FU8 {
 };
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// State format piece of the 4-bit moments: as FU8, one fused block is one quantization
+// block, its 16 packed bytes decoded into two registers and encoded back from them. The
+// 16-entry tables (Tables4) are one register each, indexed by a lane permute; every other
+// operation is decode4's or encode4's own, on 16 lanes, in the same order (none left out).
+struct FU4 {
+  static MPF_INLINE __m512 table(bool is_signed) {
+    return _mm512_load_ps(is_signed ? tables4().s : tables4().u);
+  }
+  static MPF_INLINE __m512 flush16(__m512 y) { return FU8::flush16(y); }
+
+  static MPF_INLINE void load(const CLeaf& L, int k, std::int64_t i, fVec& a, fVec& b) {
+    const bool is_signed = k == 0;
+    const float f = BF16::load(L.scale[k][i / kQBlock]);
+    const __m128i raw = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const std::uint8_t*>(L.data[k]) + i / 2));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+    // Elements 0..15 and 16..31: each byte's low nibble, then its high one.
+    const iVec n0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    const iVec n1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+    const __m512 T = table(is_signed);
+    const __m512 s = _mm512_set1_ps(is_signed ? f : std::max(f, kTiny));  // decode4's clamp
+    __m512 y0 = _mm512_mul_ps(_mm512_permutexvar_ps(n0, T), s);
+    __m512 y1 = _mm512_mul_ps(_mm512_permutexvar_ps(n1, T), s);
+    if (!is_signed) {
+      y0 = _mm512_mul_ps(y0, y0);
+      y1 = _mm512_mul_ps(y1, y1);
+    }
+    a = fVec(flush16(y0));
+    b = fVec(flush16(y1));
+  }
+
+  // encode4<kSigned, !kSigned> on one block: the 32 codes as two int32 vectors.
+  template <bool kSigned>
+  static MPF_INLINE void encode2(const __m512 (&x)[2], u32 key, std::int64_t first, u16* scale,
+                                 iVec (&code)[2]) {
+    constexpr float kLevels = kSigned ? 7.0f : 14.0f;
+    const __m512 tiny = _mm512_set1_ps(kTiny), zero = _mm512_setzero_ps();
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __mmask16 ok[2], keep[2];
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      ok[h] = ~_mm512_fpclass_ps_mask(x[h], 0x99);  // not a NaN nor an infinity
+      if constexpr (!kSigned) ok[h] &= _mm512_cmp_ps_mask(x[h], _mm512_set1_ps(-kTiny), _CMP_GT_OQ);
+      keep[h] = ok[h] & _mm512_cmp_ps_mask(_mm512_abs_ps(x[h]), tiny, _CMP_GE_OQ);
+      v[h] = _mm512_maskz_mov_ps(keep[h], x[h]);
+      if constexpr (!kSigned) v[h] = _mm512_sqrt_ps(v[h]);
+    }
+    // The block's largest magnitude in every lane (FU8's butterfly), clamped, rounded to
+    // bf16 as BF16::store rounds a finite value.
+    __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
+    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
+    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(1, 0, 3, 2)));
+    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(2, 3, 0, 1)));
+    const iVec mb = _mm512_castps_si512(_mm512_min_ps(mx, _mm512_set1_ps(kBF16Max)));
+    const iVec rb = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(mb, i32(0x7FFFu)),
+                         _mm512_and_si512(_mm512_srli_epi32(mb, 16), i32(1))),
+        i32(0xFFFF0000u));
+    *scale = u16(u32(_mm_cvtsi128_si32(_mm512_castsi512_si128(rb))) >> 16);
+    const __m512 sf = _mm512_castsi512_ps(rb);
+    const __m512 dd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sf, zero, _CMP_GT_OQ), one, sf);
+    const __m512 T = table(kSigned);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 y = flush16(_mm512_div_ps(v[h], dd));
+      const __m512 t = _mm512_div_ps(_mm512_add_ps(y, y), _mm512_add_ps(_mm512_abs_ps(y), one));
+      const __m512 tl = _mm512_mul_ps(t, _mm512_set1_ps(kLevels));
+      iVec c;
+      if constexpr (kSigned) {
+        __m512 r = _mm512_roundscale_ps(tl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-kLevels)), _mm512_set1_ps(kLevels));
+        c = _mm512_mask_mov_epi32(_mm512_cvttps_epi32(r), ~ok[h], i32(u32(-8)));
+      } else {
+        __m512 lf = _mm512_roundscale_ps(tl, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        lf = _mm512_min_ps(_mm512_max_ps(lf, zero), _mm512_set1_ps(kLevels - 1.0f));
+        const iVec lo = _mm512_cvttps_epi32(lf);
+        __m512 a = _mm512_permutexvar_ps(_mm512_and_si512(lo, i32(15)), T);
+        __m512 b = _mm512_permutexvar_ps(
+            _mm512_and_si512(_mm512_add_epi32(lo, i32(1)), i32(15)), T);
+        const __m512 value = flush16(_mm512_mul_ps(y, y));
+        a = _mm512_mul_ps(a, a);
+        b = _mm512_mul_ps(b, b);
+        const iVec bits = draw16(key, u32(first + 16 * h));
+        const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bits, 8)),
+                                       _mm512_set1_ps(0x1.0p-24f));
+        const __mmask16 up = _mm512_cmp_ps_mask(
+            u, _mm512_div_ps(_mm512_sub_ps(value, a), _mm512_sub_ps(b, a)), _CMP_LT_OQ);
+        c = _mm512_mask_add_epi32(lo, up, lo, i32(1));
+        c = _mm512_mask_max_epi32(c, keep[h], c, i32(1));
+        c = _mm512_mask_mov_epi32(c, ~ok[h], i32(15));
+      }
+      code[h] = c;
+    }
+  }
+
+  // Two nibbles a byte, low first: 16-bit word j holds elements 2j and 2j + 1 as bytes.
+  static MPF_INLINE __m128i pack8(iVec c) {
+    const __m128i e = _mm512_cvtepi32_epi8(_mm512_and_si512(c, i32(15)));
+    return _mm_and_si128(_mm_or_si128(e, _mm_srli_epi16(e, 4)), _mm_set1_epi16(0xFF));
+  }
+
+  static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
+                               const fVec& b) {
+    const __m512 x[2] = {__m512(a), __m512(b)};
+    iVec c[2];
+    u16* scale = L.scale[k] + i / kQBlock;
+    if (k == 0) {
+      encode2<true>(x, 0, i, scale, c);
+    } else {
+      encode2<false>(x, L.vkey, i, scale, c);
+    }
+    auto* out = static_cast<std::uint8_t*>(L.data[k]) + i / 2;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pack8(c[0]), pack8(c[1])));
+  }
+};
+#endif
+
 // Whole blocks of [begin, end) inside the leaf's vector loop; returns where it stopped.
 template <class S, class FS, class G, bool kAmsgrad>
 std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, const Hyper& h) {
@@ -1763,6 +2034,8 @@ FusedFn fused_format(Format f, c10::ScalarType grad, bool amsgrad) {
 #if defined(CPU_CAPABILITY_AVX512)
     case kU8:
       return fused_grad<S, FU8>(grad, amsgrad);
+    case kU4:
+      return fused_grad<S, FU4>(grad, amsgrad);
 #endif
     default:
       return nullptr;
@@ -1811,7 +2084,7 @@ void run_item(Strategy s, Format f, bool amsgrad, RangeFn math, FusedFn fused, c
   // format's table phases run better on longer loops. Measured on Zen 4 (8M params,
   // ratio to torch's fused fp32 step, 1 / 2 threads): kahan + bf16 1.28x with
   // 1,024-element tiles, 0.87x / 0.67x with 256; uint8 5.1x with 1,024, 5.5x with 512.
-  const std::int64_t tile = f == kU8 ? kTile : kSmallTile;
+  const std::int64_t tile = blocked(f) ? kTile : kSmallTile;
   for (std::int64_t b = begin; b < end; b += tile) {
     const std::int64_t e = std::min(end, b + tile);
     float* P = load_master(s, L, b, e, sp);
@@ -1861,19 +2134,19 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
   // "remainder": auxs holds the n remainders, then the n tie-bit tensors.
   const std::size_t n_aux = s == kRemainder ? 2 * n : n;
   TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && (!has_aux || auxs.size() == n_aux) &&
-                        data.size() == fields && (f != kU8 || scales.size() == fields) &&
+                        data.size() == fields && (!blocked(f) || scales.size() == fields) &&
                         (!has_out || (s == kFP32 && params_out.size() == n)) &&
-                        (!salted || f != kU8 || salts.size() == n),
+                        (!salted || !blocked(f) || salts.size() == n),
                     fn, ": expected lists of one length, one per leaf");
   for (std::size_t k = 0; k < fields; ++k) {
-    TORCH_CHECK_VALUE(data[k].size() == n && (f != kU8 || scales[k].size() == n), fn,
+    TORCH_CHECK_VALUE(data[k].size() == n && (!blocked(f) || scales[k].size() == n), fn,
                       ": expected one state tensor per leaf");
   }
   check_scalar("lr", lr_tensor);
   check_scalar("grad_scale", grad_scale);
   check_scalar("found_inf", found_inf, /*or_bool=*/true);
   // Draws, blocks and tie bits follow the index.
-  const bool positional = s == kStochastic || f == kU8;
+  const bool positional = s == kStochastic || blocked(f);
   const c10::ScalarType grad_dtype = n ? grads[0].scalar_type() : c10::ScalarType::Float;
   std::optional<c10::ScalarType> out_dtype;
   if (has_out && n) out_dtype = params_out[0].scalar_type();
@@ -1934,9 +2207,16 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
     }
     for (std::size_t k = 0; k < fields; ++k) {
       const at::Tensor& t = data[k][i];
-      const auto want = f == kU8 && k == 0 ? c10::ScalarType::Char : state_dtype;
-      fits("state", t, want, true);
-      if (f == kU8) {
+      const auto want = blocked(f) && k == 0 ? c10::ScalarType::Char : state_dtype;
+      if (f == kU4) {  // packed nibbles: flat, two elements a byte
+        fits("state", t, want, false);
+        TORCH_CHECK_VALUE(t.is_contiguous() && t.dim() == 1 && t.numel() == (p.numel() + 1) / 2,
+                          fn, ": at [", i, "]: state: expected ", (p.numel() + 1) / 2,
+                          " contiguous packed bytes, got shape ", t.sizes());
+      } else {
+        fits("state", t, want, true);
+      }
+      if (blocked(f)) {
         const at::Tensor& sc = scales[k][i];
         fits("scale", sc, c10::ScalarType::BFloat16, false);
         TORCH_CHECK_VALUE(sc.is_contiguous() && sc.numel() == (p.numel() + kQBlock - 1) / kQBlock,
@@ -1965,7 +2245,7 @@ void bump_composed(composed::Format f, std::size_t fields, const std::vector<at:
     if (has_out) params_out[i].unsafeGetTensorImpl()->bump_version();
     for (std::size_t k = 0; k < fields; ++k) {
       data[k][i].unsafeGetTensorImpl()->bump_version();
-      if (f == composed::kU8) scales[k][i].unsafeGetTensorImpl()->bump_version();
+      if (composed::blocked(f)) scales[k][i].unsafeGetTensorImpl()->bump_version();
     }
   }
 }
@@ -1998,7 +2278,7 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
   using namespace composed;
   constexpr const char* fn = "step_composed_";
   TORCH_CHECK_VALUE(strategy >= kFP32 && strategy <= kNone, fn, ": unknown strategy ", strategy);
-  TORCH_CHECK_VALUE(format >= kF32 && format <= kU8, fn, ": unknown state format ", format);
+  TORCH_CHECK_VALUE(format >= kF32 && format <= kU4, fn, ": unknown state format ", format);
   const auto s = static_cast<Strategy>(strategy);
   const auto f = static_cast<Format>(format);
   const std::size_t n = prims.size();
@@ -2059,10 +2339,10 @@ void step_composed_(std::int64_t strategy, std::int64_t format,
     L.out = has_out ? params_out[i].data_ptr() : nullptr;
     for (std::size_t k = 0; k < 3; ++k) {
       L.data[k] = k < fields ? data[k][i].data_ptr() : nullptr;
-      L.scale[k] = f == kU8 && k < fields ? static_cast<u16*>(scales[k][i].data_ptr()) : nullptr;
+      L.scale[k] = blocked(f) && k < fields ? static_cast<u16*>(scales[k][i].data_ptr()) : nullptr;
     }
     // _state_format._keys: the step count (truncated to int32) mixed with the leaf's salt.
-    L.vkey = f == kU8 ? fmix(u32(std::int32_t(step)) * kGolden + u32(salts[i])) : 0u;
+    L.vkey = blocked(f) ? fmix(u32(std::int32_t(step)) * kGolden + u32(salts[i])) : 0u;
     L.numel = prims[i].numel();
     L.coef = last;
     total += numels[i] = L.numel;
@@ -2244,6 +2524,8 @@ RuleFusedFn rule_fused_format(Format f, bool state, c10::ScalarType grad) {
 #if defined(CPU_CAPABILITY_AVX512)
     case kU8:
       return rule_fused_grad<S, FU8>(grad);
+    case kU4:
+      return rule_fused_grad<S, FU4>(grad);
 #endif
     default:
       return nullptr;  // uint8 without AVX-512: the tiles
@@ -2349,7 +2631,7 @@ void rule_item(Strategy s, Format f, bool state, std::pair<RowsFn, RowsFn> rows,
   alignas(64) float sp[kTile], sm[kTile];
   // Tiles from `b`: block-aligned for the 8-bit format (items start at multiples of 64).
   auto tiles = [&](std::int64_t b, std::int64_t e) {
-    const std::int64_t tile = f == kU8 ? kTile : kSmallTile;
+    const std::int64_t tile = blocked(f) ? kTile : kSmallTile;
     for (std::int64_t tb = b; tb < e; tb += tile) {
       const std::int64_t te = std::min(e, tb + tile);
       float* P = load_master(s, L, tb, te, sp) - tb;
@@ -2368,7 +2650,7 @@ void rule_item(Strategy s, Format f, bool state, std::pair<RowsFn, RowsFn> rows,
   };
   // A positional tail (a lerp at weight 1) need not end on an 8-bit block, and the 8-bit
   // tiles must start on one: such a leaf takes the tiles alone.
-  if (fused == nullptr || (f == kU8 && h.positional)) {
+  if (fused == nullptr || (blocked(f) && h.positional)) {
     tiles(begin, end);
     return;
   }
@@ -2404,7 +2686,7 @@ void step_rule_(std::int64_t rule, std::int64_t strategy, std::int64_t format,
   constexpr const char* fn = "step_rule_";
   TORCH_CHECK_VALUE(rule == kSGD || rule == kLion, fn, ": unknown rule ", rule);
   TORCH_CHECK_VALUE(strategy >= kFP32 && strategy <= kNone, fn, ": unknown strategy ", strategy);
-  TORCH_CHECK_VALUE(format >= kF32 && format <= kU8, fn, ": unknown state format ", format);
+  TORCH_CHECK_VALUE(format >= kF32 && format <= kU4, fn, ": unknown state format ", format);
   const auto s = static_cast<Strategy>(strategy);
   const auto f = static_cast<Format>(format);
   const std::size_t n = prims.size();
@@ -2476,7 +2758,7 @@ void step_rule_(std::int64_t rule, std::int64_t strategy, std::int64_t format,
     L.out = has_out ? params_out[i].data_ptr() : nullptr;
     for (std::size_t k = 0; k < 3; ++k) {
       L.data[k] = k < fields ? data[k][i].data_ptr() : nullptr;
-      L.scale[k] = f == kU8 && k < fields ? static_cast<u16*>(scales[k][i].data_ptr()) : nullptr;
+      L.scale[k] = blocked(f) && k < fields ? static_cast<u16*>(scales[k][i].data_ptr()) : nullptr;
     }
     L.vkey = 0;
     L.numel = prims[i].numel();
