@@ -261,11 +261,14 @@ def _composed_fits(
         tensors = [f, g, aux, param] if blocked else [f, g, aux, param, *stored]
     if s is None and fmt == 0:
         return None  # the fp32 kernel's own case (_native_fits)
-    if s is not None and s.name == "remainder":
-        # Its tie bits follow the param's logical layout (any dense one; found through its
-        # sizes and strides), in a contiguous tensor of their own.
-        if f.dim() > _TIE_DIMS or not m[2].is_contiguous():
-            return None
+    # A remainder's tie bits follow the param's logical layout (any dense one; found
+    # through its sizes and strides), in a contiguous tensor of their own.
+    if (
+        s is not None
+        and s.name == "remainder"
+        and (f.dim() > _TIE_DIMS or not m[2].is_contiguous())
+    ):
+        return None
     if blocked or (s is not None and s.name == "stochastic"):
         for t in tensors:
             if t is not None and not t.is_contiguous():
