@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import mpfunc
-from mpfunc.backends import _native
 from mpfunc.core import _rng
+from mpfunc.optim import _adam
 from tests.support.helpers import assert_trees_bits_equal
 from tests.support.native import native_module
 
@@ -137,13 +137,13 @@ def test_8bit_codes_on_every_boundary_equal_the_torch_path(
 
     want, _ = _step(g, strategy, "foreach", monkeypatch)
     ran: list[int] = []
-    real = _native._composed
+    real = _adam._composed
 
     def spy(group: Any, h: Any) -> None:
         ran.append(1)
         real(group, h)
 
-    monkeypatch.setattr(_native, "_composed", spy)
+    monkeypatch.setattr(_adam, "_composed", spy)
     got, _ = _step(g, strategy, "auto", monkeypatch)
     assert ran, "the native pass did not run"
     assert_trees_bits_equal(got, want, nan_payload=False)
