@@ -1061,6 +1061,38 @@ void decode(const void* codes, const u16* scales, std::int64_t b, std::int64_t e
   }
 }
 
+// Phases 1 and 2 of an encode, 8-bit and 4-bit alike: which of the n elements at `in` are
+// coded (ok: finite, and for unsigned moments not negative; keep: also not below kTiny),
+// the magnitudes the scale covers (v: the value, or its sqrt for unsigned moments; padding
+// up to `padded` is 0), and per block the bf16 absmax scale (written to `scales`) and the
+// divisor its codes are made with (dd: the scale, or 1 for an all-zero block, whose codes
+// stay 0).
+template <bool kSigned>
+void encode_scales(const float* in, std::int64_t n, std::int64_t padded, float* v,
+                   std::int32_t* ok, std::int32_t* keep, u16* scales, float* dd) {
+  for (std::int64_t i = 0; i < padded; ++i) {
+    const float x = i < n ? in[i] : 0.0f;
+    // finite: x - x is 0 for finite x, NaN for inf and NaN.
+    const bool okj = (x - x) == 0.0f && (kSigned || x > -kTiny);
+    const bool keepj = okj && std::fabs(x) >= kTiny;
+    float vj = keepj ? x : 0.0f;
+    if (!kSigned) vj = std::sqrt(vj);
+    v[i] = vj;
+    ok[i] = okj;
+    keep[i] = keepj;
+  }
+  for (std::int64_t k = 0; k < padded / kQBlock; ++k) {
+    fVec m = fVec::loadu(v + k * kQBlock).abs();
+    for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
+    const float amax = at::vec::vec_reduce_all<float>(
+        [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
+    const u16 scale = BF16::store(std::min(amax, kBF16Max));
+    scales[k] = scale;
+    const float sf = BF16::load(scale);
+    dd[k] = sf > 0.0f ? sf : 1.0f;
+  }
+}
+
 // Codes and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32 values;
 // with kNoise (unsigned moments), rounded stochastically with the draws of (key, element
 // index). _quantize._encode's operations, each element's in its order.
@@ -1074,30 +1106,8 @@ void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* s
   const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
   alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
   alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
-  // Phase 1: which elements are coded, and the magnitudes the scale covers (padding: 0).
-  for (std::int64_t i = 0; i < padded; ++i) {
-    const float x = i < n ? in[i] : 0.0f;
-    // finite: x - x is 0 for finite x, NaN for inf and NaN.
-    const bool okj = (x - x) == 0.0f && (kSigned || x > -kTiny);
-    const bool keepj = okj && std::fabs(x) >= kTiny;
-    float vj = keepj ? x : 0.0f;
-    if (!kSigned) vj = std::sqrt(vj);
-    v[i] = vj;
-    ok[i] = okj;
-    keep[i] = keepj;
-  }
-  // Phase 2: per block, the largest magnitude as a bf16 scale; the divisor.
-  for (std::int64_t k = 0; k < blocks; ++k) {
-    fVec m = fVec::loadu(v + k * kQBlock).abs();
-    for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
-    const float amax = at::vec::vec_reduce_all<float>(
-        [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
-    const u16 scale = BF16::store(std::min(amax, kBF16Max));
-    scales[b / kQBlock + k] = scale;
-    const float sf = BF16::load(scale);
-    // An all-zero block has scale 0; dividing by 1 instead keeps its codes 0.
-    dd[k] = sf > 0.0f ? sf : 1.0f;
-  }
+  // Phases 1 and 2: flags and magnitudes, block scales and divisors.
+  encode_scales<kSigned>(in, n, padded, v, ok, keep, scales + b / kQBlock, dd);
   expand(dd, blocks, ex);
   // Phase 3: the companded value and its code.
   if constexpr (!kNoise) {
@@ -1222,28 +1232,8 @@ void encode4(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* 
   const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
   alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
   alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
-  // Phase 1: which elements are coded, and the magnitudes the scale covers (padding: 0).
-  for (std::int64_t i = 0; i < padded; ++i) {
-    const float x = i < n ? in[i] : 0.0f;
-    const bool okj = (x - x) == 0.0f && (kSigned || x > -kTiny);
-    const bool keepj = okj && std::fabs(x) >= kTiny;
-    float vj = keepj ? x : 0.0f;
-    if (!kSigned) vj = std::sqrt(vj);
-    v[i] = vj;
-    ok[i] = okj;
-    keep[i] = keepj;
-  }
-  // Phase 2: per block, the largest magnitude as a bf16 scale; the divisor.
-  for (std::int64_t k = 0; k < blocks; ++k) {
-    fVec m = fVec::loadu(v + k * kQBlock).abs();
-    for (int j = kW; j < kQBlock; j += kW) m = at::vec::maximum(m, fVec::loadu(v + k * kQBlock + j).abs());
-    const float amax = at::vec::vec_reduce_all<float>(
-        [](const fVec& p, const fVec& q) { return at::vec::maximum(p, q); }, m);
-    const u16 scale = BF16::store(std::min(amax, kBF16Max));
-    scales[b / kQBlock + k] = scale;
-    const float sf = BF16::load(scale);
-    dd[k] = sf > 0.0f ? sf : 1.0f;  // an all-zero block keeps its codes 0
-  }
+  // Phases 1 and 2: flags and magnitudes, block scales and divisors.
+  encode_scales<kSigned>(in, n, padded, v, ok, keep, scales + b / kQBlock, dd);
   expand(dd, blocks, ex);
   // Phase 3: the companded value and its code.
   if constexpr (!kNoise) {
