@@ -1093,19 +1093,21 @@ void encode_scales(const float* in, std::int64_t n, std::int64_t padded, float* 
   }
 }
 
-// Codes and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32 values;
-// with kNoise (unsigned moments), rounded stochastically with the draws of (key, element
-// index). _quantize._encode's operations, each element's in its order.
+// The codes (int32, one per element of [b, e), b block-aligned, e - b <= kTile) and scales
+// of a companded map with `levels` levels a side, decode table T (T[c + off] for code c;
+// signed to nearest, or with kNoise unsigned rounded stochastically with the draws of (key,
+// element index)) and `mark` for a non-finite value: the 8-bit and 4-bit encoders alike
+// (_quantize._encode and _quantize4._encode, each element's operations in their order),
+// written in phases, each a loop over the tile the compiler vectorizes.
 template <bool kSigned, bool kNoise>
-void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* scales, u32 key) {
-  const float* __restrict__ T = kSigned ? tables().s : tables().u;
-  constexpr float kLevels = kSigned ? 127.0f : 254.0f;
-  constexpr float kLow = kSigned ? -127.0f : 0.0f;
-  constexpr std::int32_t kOff = kSigned ? 128 : 0;
-  constexpr std::int32_t kNaNCode = kSigned ? -128 : 255;
+MPF_INLINE void encode_codes(const float* in, std::int64_t b, std::int64_t e, const float* T,
+                             float levels, std::int32_t mark, u16* scales, u32 key,
+                             std::int32_t* code) {
+  static_assert(kSigned != kNoise, "signed to nearest, unsigned stochastically");
+  const float low = kSigned ? -levels : 0.0f;
   const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
   alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
-  alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
+  alignas(64) std::int32_t ok[kTile], keep[kTile];
   // Phases 1 and 2: flags and magnitudes, block scales and divisors.
   encode_scales<kSigned>(in, n, padded, v, ok, keep, scales + b / kQBlock, dd);
   expand(dd, blocks, ex);
@@ -1115,8 +1117,8 @@ void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* s
       const float q = v[i] / ex[i];
       const float yj = std::fabs(q) < kTiny ? 0.0f : q;
       const float t = (yj + yj) / (std::fabs(yj) + 1.0f);
-      const float r = std::nearbyint(t * kLevels);
-      code[i] = std::int32_t(std::min(std::max(r, kLow), kLevels));
+      const float r = std::nearbyint(t * levels);
+      code[i] = std::int32_t(std::min(std::max(r, low), levels));
     }
   } else {
     alignas(64) float u[kTile], lo_v[kTile], hi_v[kTile];
@@ -1126,13 +1128,13 @@ void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* s
       const fVec q = fVec::loadu(v + i) / fVec::loadu(ex + i);
       const fVec yj = fVec::blendv(q, zero, q.abs() < tiny);
       const fVec t = (yj + yj) / (yj.abs() + one);
-      // floor(t * levels) clamped to [low, levels - 1] (clamping first is the same).
-      const fVec x = at::vec::minimum(at::vec::maximum(t * fVec(kLevels), fVec(kLow)),
-                                      fVec(kLevels - 1.0f));
+      // floor(t * levels) clamped to [0, levels - 1] (clamping first is the same).
+      const fVec x = at::vec::minimum(at::vec::maximum(t * fVec(levels), zero),
+                                      fVec(levels - 1.0f));
       yj.store(y + i);
       at::vec::convert_to_int_of_same_size(x.floor()).store(code + i);
     }
-    for (std::int64_t i = 0; i < padded; ++i) code[i] += kOff;
+    // (lo <= levels - 1, so lo + 1 is the next entry)
     for (std::int64_t k = 0; k < blocks; ++k) {
       gather_block(T, code + k * kQBlock, lo_v + k * kQBlock);
       gather_block(T + 1, code + k * kQBlock, hi_v + k * kQBlock);
@@ -1140,22 +1142,30 @@ void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* s
     const u32 base = u32(b);
     for (std::int64_t i = 0; i < padded; ++i) u[i] = uniform(draw(key, base + u32(i)));
     for (std::int64_t i = 0; i < padded; ++i) {
-      float a = lo_v[i], h = hi_v[i], value = y[i];
-      if (!kSigned) {
-        const float yy = value * value;
-        value = std::fabs(yy) < kTiny ? 0.0f : yy;
-        a = a * a;
-        h = h * h;
-      }
-      code[i] = code[i] - kOff + std::int32_t(u[i] < (value - a) / (h - a));
+      const float yy = y[i] * y[i];
+      const float value = std::fabs(yy) < kTiny ? 0.0f : yy;
+      const float a = lo_v[i] * lo_v[i], h = hi_v[i] * hi_v[i];
+      code[i] = code[i] + std::int32_t(u[i] < (value - a) / (h - a));
     }
   }
   // Phase 4: a positive second moment never decodes to 0; non-finite values get the mark.
   for (std::int64_t i = 0; i < n; ++i) {
     std::int32_t c = code[i];
     if (!kSigned) c = keep[i] && c < 1 ? 1 : c;
-    code[i] = ok[i] ? c : kNaNCode;
+    code[i] = ok[i] ? c : mark;
   }
+}
+
+// Codes and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32 values;
+// signed to nearest, or with kNoise (unsigned moments) rounded stochastically with the draws
+// of (key, element index): _quantize._encode, one code a byte.
+template <bool kSigned, bool kNoise>
+void encode(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* scales, u32 key) {
+  alignas(64) std::int32_t code[kTile];
+  encode_codes<kSigned, kNoise>(in, b, e, kSigned ? tables().s : tables().u,
+                                kSigned ? 127.0f : 254.0f, kSigned ? -128 : 255, scales, key,
+                                code);
+  const std::int64_t n = e - b;
   if constexpr (kSigned) {
     auto* o = static_cast<std::int8_t*>(codes) + b;
     for (std::int64_t i = 0; i < n; ++i) o[i] = std::int8_t(code[i]);
@@ -1218,65 +1228,15 @@ void decode4(const void* codes, const u16* scales, std::int64_t b, std::int64_t 
 }
 
 // Packed nibbles and scales of elements [b, e) (b block-aligned, e - b <= kTile) from fp32
-// values: signed to nearest, or (kNoise) unsigned rounded stochastically with the draws of
-// (key, element index), the two forms the pass stores. _quantize4._encode,
-// _round_stochastic and _pack, each element's operations in order, in encode's phases; an
-// odd last element leaves its byte's high nibble 0 (the padding's code).
+// values, the two forms the pass stores (signed to nearest, unsigned stochastically):
+// _quantize4._encode, _round_stochastic and _pack; an odd last element leaves its byte's
+// high nibble 0.
 template <bool kSigned, bool kNoise>
 void encode4(const float* in, std::int64_t b, std::int64_t e, void* codes, u16* scales, u32 key) {
-  static_assert(kSigned != kNoise, "signed to nearest, unsigned stochastically");
-  const float* __restrict__ T = kSigned ? tables4().s : tables4().u;
-  constexpr float kLevels = kSigned ? 7.0f : 14.0f;
-  constexpr float kLow = kSigned ? -7.0f : 0.0f;
-  constexpr std::int32_t kMark = kSigned ? -8 : 15;
-  const std::int64_t n = e - b, blocks = (n + kQBlock - 1) / kQBlock, padded = blocks * kQBlock;
-  alignas(64) float v[kTile], ex[kTile], y[kTile], dd[kTile / kQBlock];
-  alignas(64) std::int32_t ok[kTile], keep[kTile], code[kTile];
-  // Phases 1 and 2: flags and magnitudes, block scales and divisors.
-  encode_scales<kSigned>(in, n, padded, v, ok, keep, scales + b / kQBlock, dd);
-  expand(dd, blocks, ex);
-  // Phase 3: the companded value and its code.
-  if constexpr (!kNoise) {
-    for (std::int64_t i = 0; i < padded; ++i) {
-      const float q = v[i] / ex[i];
-      const float yj = std::fabs(q) < kTiny ? 0.0f : q;
-      const float t = (yj + yj) / (std::fabs(yj) + 1.0f);
-      const float r = std::nearbyint(t * kLevels);
-      code[i] = std::int32_t(std::min(std::max(r, kLow), kLevels));
-    }
-  } else {
-    alignas(64) float u[kTile], lo_v[kTile], hi_v[kTile];
-    const fVec tiny(kTiny), one(1.0f), zero(0.0f);
-    for (std::int64_t i = 0; i < padded; i += kW) {
-      const fVec q = fVec::loadu(v + i) / fVec::loadu(ex + i);
-      const fVec yj = fVec::blendv(q, zero, q.abs() < tiny);
-      const fVec t = (yj + yj) / (yj.abs() + one);
-      // floor(t * levels) clamped to [0, levels - 1] (clamping first is the same).
-      const fVec x = at::vec::minimum(at::vec::maximum(t * fVec(kLevels), fVec(kLow)),
-                                      fVec(kLevels - 1.0f));
-      yj.store(y + i);
-      at::vec::convert_to_int_of_same_size(x.floor()).store(code + i);
-    }
-    // (unsigned: lo in 0..13, so lo + 1 is the next entry)
-    for (std::int64_t k = 0; k < blocks; ++k) {
-      gather_block(T, code + k * kQBlock, lo_v + k * kQBlock);
-      gather_block(T + 1, code + k * kQBlock, hi_v + k * kQBlock);
-    }
-    const u32 base = u32(b);
-    for (std::int64_t i = 0; i < padded; ++i) u[i] = uniform(draw(key, base + u32(i)));
-    for (std::int64_t i = 0; i < padded; ++i) {
-      const float yy = y[i] * y[i];
-      const float value = std::fabs(yy) < kTiny ? 0.0f : yy;
-      const float a = lo_v[i] * lo_v[i], h = hi_v[i] * hi_v[i];
-      code[i] = code[i] + std::int32_t(u[i] < (value - a) / (h - a));
-    }
-  }
-  // Phase 4: a positive second moment never decodes to 0; non-finite values get the mark.
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::int32_t c = code[i];
-    if (!kSigned) c = keep[i] && c < 1 ? 1 : c;
-    code[i] = ok[i] ? c : kMark;
-  }
+  alignas(64) std::int32_t code[kTile];
+  encode_codes<kSigned, kNoise>(in, b, e, kSigned ? tables4().s : tables4().u,
+                                kSigned ? 7.0f : 14.0f, kSigned ? -8 : 15, scales, key, code);
+  const std::int64_t n = e - b;
   if (n % 2) code[n] = 0;  // the padding's code: its byte's high nibble
   auto* o = static_cast<std::uint8_t*>(codes) + b / 2;
   for (std::int64_t p = 0; p < (n + 1) / 2; ++p) {
