@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import mpfunc
 from mpfunc.core._optimizer import Group
 from mpfunc.optim import _adam
-from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
+from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, laid_out, snapshot
 from tests.support.native import native_module
 
 STRATEGIES = ["fp32", "remainder", "kahan", "stochastic", "none"]
@@ -61,18 +61,6 @@ def composed(monkeypatch: pytest.MonkeyPatch, native: Any) -> Iterator[list[int]
     yield seen
 
 
-def _laid(kind: str, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
-    if kind == "transposed":
-        return x.reshape(shape[1], shape[0]).t()
-    if kind == "channels_last":
-        return x.reshape(shape).contiguous(memory_format=torch.channels_last)
-    if kind == "sliced":
-        wide = torch.zeros(shape[0], shape[1] * 2, dtype=x.dtype)
-        wide[:, ::2] = x.reshape(shape)
-        return wide[:, ::2]
-    return x.reshape(shape)
-
-
 def _values(gen: torch.Generator, n: int, scale: float, specials: bool) -> torch.Tensor:
     x = torch.randn(n, generator=gen) * scale
     if specials:
@@ -106,7 +94,7 @@ def _case(data: st.DataObject) -> dict[str, Any]:
 def _run(c: dict[str, Any], impl: str) -> Any:
     gen = torch.Generator().manual_seed(c["seed"])
     params = {
-        f"p{i}": _laid(kind, shape, _values(gen, _numel(shape), 0.5, False).to(c["pdt"]))
+        f"p{i}": laid_out(kind, shape, _values(gen, _numel(shape), 0.5, False).to(c["pdt"]))
         for i, (kind, shape) in enumerate(c["layouts"])
     }
     masters = mpfunc.init_master(params, strategy=c["strategy"], seed=3)

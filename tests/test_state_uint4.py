@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.helpers import bits
+from support.helpers import bits, laid_out
 
 import mpfunc
 from mpfunc.core import _rng
@@ -238,19 +238,6 @@ PROP_OPTS: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
-def _laid(kind: str, x: torch.Tensor) -> torch.Tensor:
-    shape = P_LAYOUTS[kind]
-    if kind == "transposed":
-        return x.reshape(shape[1], shape[0]).t()
-    if kind == "channels_last":
-        return x.reshape(shape).contiguous(memory_format=torch.channels_last)
-    if kind == "sliced":
-        wide = torch.zeros(shape[0], shape[1] * 2, dtype=x.dtype)
-        wide[:, ::2] = x.reshape(shape)
-        return wide[:, ::2]
-    return x.reshape(shape)
-
-
 def _grad(kind: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if kind == "expanded":
         return (torch.randn(1, *shape[1:], generator=gen) * 3).to(BF16).expand(shape)
@@ -285,9 +272,9 @@ def _prop_run(c: dict[str, Any], sd: Any, device: torch.device) -> Any:
     the standalone codec after each step: the reference)."""
     gen = torch.Generator().manual_seed(c["seed"])
     params = {
-        f"p{i}": _laid(kind, torch.randn(math.prod(P_LAYOUTS[kind]), generator=gen).to(BF16)).to(
-            device
-        )
+        f"p{i}": laid_out(
+            kind, P_LAYOUTS[kind], torch.randn(math.prod(P_LAYOUTS[kind]), generator=gen).to(BF16)
+        ).to(device)
         for i, kind in enumerate(c["layouts"])
     }
     masters = mpfunc.init_master(params, strategy=c["strategy"], seed=3)

@@ -123,3 +123,19 @@ def assert_unchanged(tree: Any, snap: list[Any]) -> None:
                 assert_bits_equal(t, clone)
             else:
                 assert torch.equal(t.cpu(), clone)
+
+
+def laid_out(kind: str, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values (``prod(shape)`` of them) as a tensor of ``shape`` in the layout
+    ``kind``: "transposed" (a 2-d shape, the transpose of a contiguous tensor),
+    "channels_last" (4-d), "sliced" (2-d, every other column of a wider tensor: not dense),
+    or anything else for contiguous."""
+    if kind == "transposed":
+        return x.reshape(shape[1], shape[0]).t()
+    if kind == "channels_last":
+        return x.reshape(shape).contiguous(memory_format=torch.channels_last)
+    if kind == "sliced":
+        wide = torch.zeros(shape[0], shape[1] * 2, dtype=x.dtype, device=x.device)
+        wide[:, ::2] = x.reshape(shape)
+        return wide[:, ::2]
+    return x.reshape(shape)
