@@ -26,14 +26,13 @@ from mpfunc.backends import _native
 from mpfunc.core import _cache
 from mpfunc.core._optimizer import Group
 from mpfunc.optim import _adam, _lion, _sgd
-from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, snapshot
+from tests.support.helpers import assert_trees_bits_equal, assert_unchanged, laid_out, snapshot
 from tests.support.native import native_module
 from tests.test_native_composed import (
     BLOCKED,
     LAYOUTS,
     STATE_DTYPES,
     STRATEGIES,
-    _laid,
     _numel,
     _values,
 )
@@ -119,7 +118,7 @@ def _case(data: st.DataObject) -> dict[str, Any]:
 def _run(c: dict[str, Any], impl: str) -> Any:
     gen = torch.Generator().manual_seed(c["seed"])
     params = {
-        f"p{i}": _laid(kind, shape, _values(gen, _numel(shape), 0.5, False).to(c["pdt"]))
+        f"p{i}": laid_out(kind, shape, _values(gen, _numel(shape), 0.5, False).to(c["pdt"]))
         for i, (kind, shape) in enumerate(c["layouts"])
     }
     masters = mpfunc.init_master(params, strategy=c["strategy"], seed=3)
