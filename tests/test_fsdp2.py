@@ -12,12 +12,15 @@ body and the scalar tail; observed: bit-identical but for one 5-element bias, 7e
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import pytest
 import torch
 from support.examples import load
 from support.ranks import check_ok, launch
+
+import mpfunc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "fsdp2_worker.py"
@@ -57,3 +60,38 @@ def test_fsdp2_with_masters_for_local_shards(tmp_path: pathlib.Path) -> None:
         assert res["local_bytes"] <= full / 2 + 4 * 64 * 4, (res["local_bytes"], full)
     losses = ranks[0]["losses"]
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_fsdp2_remainder_ties_are_the_fp32_run(tmp_path: pathlib.Path) -> None:
+    """Remainder masters under FSDP2: the tie bits are placed as their params (a shard
+    that would split a tie byte is refused, naming the leaf); Lion on updates that land on
+    exact ties gives the "fp32" run's params, masters and state bit for bit at every step
+    (asserted in the ranks); a DCP checkpoint of the sharded run resumes bit for bit at
+    2 ranks and loads here, in one process, to the fp32 run's masters."""
+    import torch.distributed.checkpoint as dcp
+
+    from mpfunc.strategies import _remainder
+
+    check_ok(launch("ties", 2, tmp_path, timeout=240, worker=WORKER))
+    ranks = [torch.load(tmp_path / f"ties-rank{r}.pt", weights_only=False) for r in range(2)]
+    for res in ranks:
+        assert res["ties"] > 0 and res["set_bits"] > 0, res["ties"]
+    # The checkpoint's tie tensors are the whole params' packing: loaded unsharded (DCP
+    # reshards 2 -> 1), joined, they are the fp32 run's masters at the checkpoint.
+    spec = importlib.util.spec_from_file_location("fsdp2_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    params = dict(worker.tie_model().named_parameters())
+    kinds = ranks[0]["kinds"]
+    strategy = {n: "remainder" if kinds[n] == "RemainderMaster" else "fp32" for n in params}
+    masters = mpfunc.init_master(params, strategy=strategy)
+    opt = mpfunc.lion(lr=worker.TIE_LR, weight_decay=0.0)
+    tree = {"masters": masters, "opt": opt.init(masters), "params": params}
+    dcp.load(mpfunc.state_dict(tree), checkpoint_id=str(tmp_path / "ties-dcp"))
+    for n, want in ranks[0]["saved_fp32"].items():
+        u = masters[n]
+        got = _remainder.join(*u) if isinstance(u, tuple) else u
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), n

@@ -27,12 +27,16 @@ import torch
 __all__ = [
     "describe_sharding",
     "dtensor_type",
+    "extents",
     "full",
+    "is_dtensor",
     "local",
     "local_group",
     "locals_",
+    "placement_problem",
     "same_sharding",
     "sharding_key",
+    "wrap_as",
     "wrap_like",
 ]
 
@@ -44,6 +48,12 @@ def dtensor_type() -> Any:
     )
     cls = getattr(mod, "DTensor", None)
     return cls if isinstance(cls, type) else None
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (one dictionary lookup when none can exist)."""
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Any) -> Any:
@@ -74,6 +84,46 @@ def wrap_like(ref: Any, t: torch.Tensor) -> Any:
     )
 
 
+def wrap_as(ref: Any, t: torch.Tensor, shape: Sequence[int]) -> Any:
+    """``t`` (this rank's shard) as a DTensor of global ``shape`` (contiguous strides) with
+    ``ref``'s mesh and placements: a packed buffer beside a DTensor ``ref``. The caller
+    makes sure that ``t`` is the shard those placements give this rank (``extents``)."""
+    cls = dtensor_type()
+    spec = ref._spec
+    shape = tuple(shape)
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * max(shape[d + 1], 1)
+    return cls.from_local(
+        t, spec.mesh, spec.placements, run_check=False, shape=shape, stride=tuple(stride)
+    )
+
+
+def extents(t: Any, dim: int, size: int | None = None) -> list[tuple[int, int]] | None:
+    """Every shard's ``(offset, length)`` along ``dim`` of the DTensor ``t`` (of a tensor
+    of ``size`` elements along ``dim`` placed as ``t``, if given), in mesh order: each
+    ``Shard(dim)`` placement splits every piece as ``torch.chunk`` does (chunks of
+    ``ceil(n / mesh size)``, empty ones last), as DTensor places its shards. ``None`` if a
+    placement splits ``dim`` some other way (a ``Shard`` subclass such as FSDP2 + TP's
+    strided shards). Computed from the global shape alone, so every rank gets the same."""
+    from torch.distributed.tensor import Shard
+
+    spec = t._spec
+    pieces = [(0, int(t.shape[dim]) if size is None else size)]
+    for i, placement in enumerate(spec.placements):
+        if not isinstance(placement, Shard) or placement.dim % t.dim() != dim:
+            continue
+        if type(placement) is not Shard:
+            return None
+        k = spec.mesh.size(i)
+        split = []
+        for off, n in pieces:
+            c = -(-n // k)
+            split += [(off + min(j * c, n), min((j + 1) * c, n) - min(j * c, n)) for j in range(k)]
+        pieces = split
+    return pieces
+
+
 def same_sharding(a: Any, b: Any) -> str | None:
     """``None`` if ``a`` and ``b`` pair shard for shard (both plain tensors, or DTensors on
     one mesh with one placement), else what ``b`` should have been, for an error."""
@@ -86,11 +136,20 @@ def same_sharding(a: Any, b: Any) -> str | None:
     if da != db:
         kind = "a DTensor" if da else "a plain tensor"
         return f"{kind}, as the reference leaf (elementwise work pairs local shards)"
+    placed = placement_problem(a, b)
+    if placed is not None:
+        return placed
+    if a._local_tensor.shape != b._local_tensor.shape:
+        return f"a local shard of shape {tuple(a._local_tensor.shape)}"
+    return None
+
+
+def placement_problem(a: Any, b: Any) -> str | None:
+    """``None`` if the DTensor ``b`` has the mesh and placements of the DTensor ``a``
+    (whatever its shape), else what it should have had, for an error."""
     sa, sb = a._spec, b._spec
     if sa.mesh != sb.mesh or tuple(sa.placements) != tuple(sb.placements):
         return f"a DTensor on {sa.mesh} with placements {tuple(sa.placements)}"
-    if a._local_tensor.shape != b._local_tensor.shape:
-        return f"a local shard of shape {tuple(a._local_tensor.shape)}"
     return None
 
 

@@ -63,7 +63,7 @@ from typing import Any, Optional
 
 import torch
 
-from mpfunc.core import _checks
+from mpfunc.core import _checks, _dtensor
 
 __all__ = [
     "MASTER_DTYPE",
@@ -75,6 +75,7 @@ __all__ = [
     "join_",
     "join_ties_away",
     "pack_ties",
+    "sharding_problem",
     "split",
     "split_",
     "tie_problem",
@@ -419,7 +420,9 @@ def _side(fn: str, name: str, tensors: Any) -> _checks.Side:
 
 
 def tie_problem(ties: Any, like: torch.Tensor) -> str | None:
-    """What is wrong with ``ties`` as the tie bytes of a param or master ``like``, or None."""
+    """What is wrong with ``ties`` as the tie bytes of a param or master ``like``, or None.
+    The tie bytes of a DTensor are a DTensor placed as it is, whose local shard packs the
+    bits of ``like``'s local shard (``sharding_problem`` says where that holds)."""
     want = tie_shape(like.shape)
     if (
         isinstance(ties, torch.Tensor)
@@ -428,11 +431,66 @@ def tie_problem(ties: Any, like: torch.Tensor) -> str | None:
         and tuple(ties.shape) == want
         and ties.device == like.device
     ):
-        return None
+        if not (_dtensor.is_dtensor(like) or _dtensor.is_dtensor(ties)):
+            return None
+        return _sharded_tie_problem(ties, like)
     return (
         f"expected a torch.uint8 tensor of shape {want} on {like.device} (the tie bits of a "
         f"tensor of shape {tuple(like.shape)}, 8 a byte along the last dim), got "
         f"{_checks.describe(ties)}"
+    )
+
+
+def _sharded_tie_problem(ties: Any, like: Any) -> str | None:
+    if not _dtensor.is_dtensor(like):
+        return f"a plain tensor, as its param (got {_dtensor.describe_sharding(ties)})"
+    placed = "a plain tensor" if not _dtensor.is_dtensor(ties) else None
+    placed = placed or _dtensor.placement_problem(like, ties)
+    local = tie_shape(_dtensor.local(like).shape)
+    if placed is None and tuple(_dtensor.local(ties).shape) == local:
+        return None
+    return (
+        f"expected the tie bits sharded as their param: {placed or 'a DTensor'} with a local "
+        f"shard of shape {local} (the bits of the param's local shard "
+        f"{tuple(_dtensor.local(like).shape)}), got {_dtensor.describe_sharding(ties)}"
+    )
+
+
+def sharding_problem(param: Any) -> str | None:
+    """Why the tie bits of the DTensor ``param`` cannot be sharded as ``param`` is, or
+    ``None`` (always for a plain tensor).
+
+    The bits are packed along the last dim, so every other dim of the tie bytes is the
+    param's and a split of it (FSDP2's dim-0 shards of a matrix) cuts both alike. A split
+    of the last dim (every split of a 1-d param) fits only where each shard starts at a
+    multiple of 8 elements: then the same placements over the tie bytes give every rank
+    exactly the bytes of its own elements, and the global tie tensor is the packing of the
+    whole param (checkpoints reshard it like any tensor). Elsewhere a byte would hold bits
+    of two ranks' elements: refused, not kept in a per-rank packing whose global form
+    would mean nothing to a checkpoint loaded at another world size."""
+    if not _dtensor.is_dtensor(param) or param.dim() == 0:
+        return None
+    last = param.dim() - 1
+    n = int(param.shape[last])
+    elems = _dtensor.extents(param, last)
+    tbytes = _dtensor.extents(param, last, (n + 7) // 8)
+    if elems is not None and tbytes is not None:
+        if all(
+            bn == -(-en // 8) and (en == 0 or (eo % 8 == 0 and bo == eo // 8))
+            for (eo, en), (bo, bn) in zip(elems, tbytes)
+        ):
+            return None
+        lengths = sorted({en for _, en in elems if en})
+        split = f"split into shards of {' or '.join(map(str, lengths))} elements"
+    else:
+        split = "split by a placement other than Shard or Replicate"
+    return (
+        f"The tie bits pack 8 elements a byte along the last dim, which this DTensor's "
+        f"placements {tuple(param._spec.placements)} {split} ({n} in all): a shard that "
+        f"does not start at a multiple of 8 elements would share a tie byte with its "
+        f"neighbour. Give this leaf the 'fp32' strategy (init_master's strategy= takes a "
+        f"function (path, param) -> name), or shard it so that every shard holds a "
+        f"multiple of 8 elements (FSDP2 on m ranks: ceil({n} / m) a multiple of 8)"
     )
 
 

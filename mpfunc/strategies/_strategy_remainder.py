@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.core import _tensors
+from mpfunc.core import _dtensor, _tensors
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder
 from mpfunc.strategies._base import Strategy, buffer_problem
@@ -38,12 +38,24 @@ class RemainderMaster(NamedTuple):
 
 
 def _why_not(p: torch.Tensor) -> str | None:
-    return None if p.dtype == torch.bfloat16 else _remainder.unsupported_hint(p.dtype)
+    if p.dtype != torch.bfloat16:
+        return _remainder.unsupported_hint(p.dtype)
+    return _remainder.sharding_problem(p)
 
 
 def _make(p: torch.Tensor, seed: int, index: int) -> RemainderMaster:
     # A bf16 value is exactly an fp32 master whose low half is zero (and no tie).
     r = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+    if _dtensor.is_dtensor(p):
+        # Placed as the param, each rank's shard the bits of its own elements
+        # (_remainder.sharding_problem, checked by why_not, says where that holds).
+        local = _dtensor.local(p)
+        t = _dtensor.wrap_as(
+            p,
+            local.new_zeros(_remainder.tie_shape(local.shape), dtype=_remainder.TIE_DTYPE),
+            _remainder.tie_shape(p.shape),
+        )
+        return RemainderMaster(p, r, t)
     t = p.new_zeros(_remainder.tie_shape(p.shape), dtype=_remainder.TIE_DTYPE)
     # The param's XLA SPMD sharding (the tie bytes: the same split of every dim).
     return RemainderMaster(p, _sharding.like_(r, p), _sharding.like_(t, p, same_rank=True))

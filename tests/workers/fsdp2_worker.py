@@ -18,6 +18,7 @@ import mpfunc
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/
 from support.examples import load
+from support.helpers import leaves
 
 STEPS = 8
 
@@ -143,7 +144,202 @@ def scenario_all(rank: int, world: int, out: str) -> None:
     torch.save({**result, "steps": STEPS}, f"{out}/fsdp2-rank{rank}.pt")
 
 
+# --- "remainder" masters (tie bits) under FSDP2 ------------------------------------------
+
+# (in, out) of each Linear: weights whose last dim is not a multiple of 8 (12, 5: the tie
+# bytes of a row end in padding), rows that split unevenly (5 over 2 ranks), biases of 32,
+# 16 and 48 elements (16, 8 and 24 a rank) and of 5 and 8 (3 + 2 and 4 + 4: rank 1's
+# shard would start inside a tie byte, so those two keep "fp32" masters).
+TIE_LAYERS = ((12, 32), (32, 16), (16, 5), (5, 8), (8, 48))
+TIE_LR = 2.0**-12  # half an ulp of bf16 values in [2**-4, 2**-3): Lion lands on ties
+TIE_STEPS = 6
+
+
+def tie_model() -> torch.nn.Module:
+    """bf16 Linears with every weight and bias +-[2**-4, 2**-3) on the bf16 grid, so that
+    Lion's +-lr updates land on exact halves of an ulp."""
+    gen = torch.Generator().manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for i, o in TIE_LAYERS:
+        lin = torch.nn.Linear(i, o)
+        with torch.no_grad():
+            for p in lin.parameters():
+                k = torch.randint(0, 128, p.shape, generator=gen).float()
+                sign = torch.randint(0, 2, p.shape, generator=gen).float() * 2 - 1
+                p.copy_(sign * (1 + k / 128) * 2.0**-4)
+        layers += [lin, torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1]).to(torch.bfloat16)
+
+
+def _sharded(model: torch.nn.Module, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return dict(model.named_parameters())
+
+
+def _tie_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(700 + step)
+    x = torch.randn(8 * world, TIE_LAYERS[0][0], generator=gen)
+    y = torch.randn(8 * world, TIE_LAYERS[-1][1], generator=gen)
+    return x[8 * rank : 8 * (rank + 1)].to(torch.bfloat16), y[8 * rank : 8 * (rank + 1)]
+
+
+def _raw(t: Any) -> torch.Tensor:
+    """A tensor's (a DTensor's local shard's) bytes."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _full(t: Any) -> torch.Tensor:
+    """A DTensor's global value (gloo gathers no int16 or uint8: "Invalid scalar type")."""
+    from mpfunc.core import _dtensor
+
+    wide = _dtensor.wrap_as(t, t.to_local().to(torch.int32), t.shape)
+    return wide.full_tensor().to(t.dtype)
+
+
+def _same(a: Any, b: Any, what: str) -> None:
+    assert torch.equal(_raw(a), _raw(b)), what
+
+
+def _remainder_or_fp32(path: str, p: torch.Tensor) -> str:
+    """The remainder strategy wherever the tie bits can follow the param's sharding."""
+    from mpfunc.strategies import _remainder
+
+    return "fp32" if _remainder.sharding_problem(p) is not None else "remainder"
+
+
+def check_refused(rank: int, world: int) -> None:
+    """A bias whose shards do not start on a byte of tie bits is refused, naming it."""
+    params = _sharded(tie_model(), world)
+    try:
+        mpfunc.init_master(params, strategy="remainder")
+    except ValueError as e:
+        msg = str(e)
+        assert "'params.4.bias'" in msg and "shards of 2 or 3 elements" in msg, msg
+        assert "'fp32' strategy" in msg, msg
+    else:
+        raise AssertionError("init_master accepted tie bits split inside a byte")
+    # Tie bits made as before (p.new_zeros: replicated, the whole param's bytes on every
+    # rank) are refused at the step, naming the leaf, before anything is written.
+    from mpfunc.strategies import _remainder
+
+    p = params["0.weight"]
+    u = mpfunc.init_master({"w": p}, strategy="remainder")["w"]
+    old = {"w": u._replace(ties=p.new_zeros(_remainder.tie_shape(p.shape), dtype=torch.uint8))}
+    opt = mpfunc.lion(lr=TIE_LR)
+    state = opt.init({"w": u})  # (opt.init refuses the old unit too)
+    before = [t.to_local()._version for t in old["w"]]
+    try:
+        mpfunc.apply_update_(old, {"w": torch.ones_like(p)}, state, opt)
+    except ValueError as e:
+        assert "'masters.w'" in str(e) and "sharded as their param" in str(e), str(e)
+        assert [t.to_local()._version for t in old["w"]] == before
+    else:
+        raise AssertionError("replicated tie bits of a sharded param were accepted")
+
+
+def train_ties(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Lion on two FSDP2 models fed the same batches, "remainder" masters (tie bits) and
+    "fp32" masters: bit for bit at every step; then a DCP checkpoint of the remainder run,
+    loaded into a fresh one, continues bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from mpfunc.strategies import _remainder
+
+    opt = mpfunc.lion(lr=TIE_LR, weight_decay=0.0)
+    models = [tie_model(), tie_model()]
+    p32, prem = (_sharded(m, world) for m in models)
+    m32 = mpfunc.init_master(p32)
+    mrem = mpfunc.init_master(prem, strategy=_remainder_or_fp32)
+    kinds = {n: type(u).__name__ for n, u in mrem.items()}
+    fp32 = sorted(n for n, k in kinds.items() if k != "RemainderMaster")
+    assert fp32 == ["4.bias", "6.bias"], kinds
+    s32, srem = opt.init(m32), opt.init(mrem)
+    for n, u in mrem.items():
+        if isinstance(u, tuple):  # the tie bits placed as the param, shard by shard
+            assert isinstance(u.ties, DTensor) and u.ties.placements == u.param.placements, n
+            assert u.ties.to_local().shape == _remainder.tie_shape(u.param.to_local().shape), n
+
+    def step(i: int, m: dict[str, Any], s: Any, params: dict[str, Any], model: Any) -> None:
+        x, y = _tie_batch(i, rank, world)
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        grads = {n: p.grad for n, p in params.items()}
+        mpfunc.apply_update_(m, grads, s, opt, params=params)  # (the fp32 leaf's param)
+        model.zero_grad(set_to_none=True)
+
+    def compare(tag: str, ma: dict[str, Any], sa: Any, pa: dict[str, Any]) -> None:
+        for n in p32:
+            _same(pa[n], p32[n], f"{tag} param {n}")
+            u = ma[n]
+            if isinstance(u, tuple):
+                local = _remainder.join(*(t.to_local() for t in u))
+                _same(local, m32[n], f"{tag} master {n}")
+                # The global tensors are the whole param's packing: joined, the full master.
+                full = _remainder.join(u.param.full_tensor(), _full(u.remainder), _full(u.ties))
+                assert torch.equal(_raw(full), _raw(m32[n].full_tensor())), f"{tag} full {n}"
+            else:
+                _same(u, m32[n], f"{tag} master {n}")
+        for a, b in zip(leaves(s32), leaves(sa), strict=True):
+            if a is not None or b is not None:
+                _same(a, b, f"{tag} state")
+
+    ties = set_bits = 0
+    half = TIE_STEPS // 2
+    saved: dict[str, torch.Tensor] = {}
+    for i in range(TIE_STEPS):
+        step(i, m32, s32, p32, models[0])
+        step(i, mrem, srem, prem, models[1])
+        compare(f"step {i}", mrem, srem, prem)
+        for u in mrem.values():
+            if isinstance(u, tuple):
+                low = u.remainder.to_local().to(torch.int32) & 0xFFFF
+                ties += int((low == 0x8000).sum())
+                set_bits += int((u.ties.to_local() != 0).sum())
+        if i == half - 1:  # a checkpoint of the sharded remainder run (params: the fp32 leaf's)
+            tree = {"masters": mrem, "opt": srem, "params": prem}
+            dcp.save(mpfunc.state_dict(tree), checkpoint_id=f"{out}/ties-dcp")
+            saved = {n: m.full_tensor() for n, m in m32.items()}
+    assert ties > 0 and set_bits > 0, (ties, set_bits)
+
+    # Resume: a fresh model (zeros) and masters, loaded in place from the checkpoint (DCP
+    # writes into the DTensor shards that mpfunc.state_dict returns), then the last steps:
+    # the uninterrupted run's bits.
+    fresh = tie_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    pres = _sharded(fresh, world)
+    mres = mpfunc.init_master(pres, strategy=_remainder_or_fp32)
+    sres = opt.init(mres)
+    tree = {"masters": mres, "opt": sres, "params": pres}
+    dcp.load(mpfunc.state_dict(tree), checkpoint_id=f"{out}/ties-dcp")
+    for i in range(half, TIE_STEPS):
+        step(i, mres, sres, pres, fresh)
+    for n in prem:
+        _same(pres[n], prem[n], f"resumed param {n}")
+        for a, b in zip(leaves(mres[n]), leaves(mrem[n]), strict=True):
+            _same(a, b, f"resumed master {n}")
+    for a, b in zip(leaves(sres), leaves(srem), strict=True):
+        if a is not None or b is not None:
+            _same(a, b, "resumed state")
+    return {"ties": ties, "set_bits": set_bits, "kinds": kinds, "saved_fp32": saved}
+
+
+def scenario_ties(rank: int, world: int, out: str) -> None:
+    check_refused(rank, world)
+    result = train_ties(rank, world, out)
+    torch.save(result, f"{out}/ties-rank{rank}.pt")
+
+
 if __name__ == "__main__":
     from dp_worker import main  # the same group set-up (file store, timeouts)
 
-    main({"all": scenario_all})
+    main({"all": scenario_all, "ties": scenario_ties})
