@@ -309,3 +309,35 @@ def test_no_op_without_spmd(device: torch.device) -> None:
     with _sharding.kept(iter([a, b])):
         a.add_(1)
     assert not _sharding.active()
+
+
+@pytest.mark.xla
+def test_tie_bits_follow_the_param_where_the_bytes_split_evenly(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remainder's tie bytes (8 elements of the last dim a byte) take the param's
+    sharding where every shard of the last dim holds whole bytes; then the step's graph
+    has no collective at all. Where a shard would start inside a byte, the tie bytes'
+    last dim is replicated (the other dims split as the param's) and the step still
+    exchanges bits (measured below: packing elements of two devices into one byte cannot
+    be done without); the results equal the CPU's bit for bit either way, ties included."""
+    monkeypatch.setenv("MPFUNC_HLO_DUMP", str(tmp_path / "hlo"))
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path / 'hlo'} "
+        "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
+    )
+    r = run_worker("ties", 4, tmp_path)
+    for name, c in r.items():
+        assert c["equal"] and c["ties_set"] > 0, (name, c)
+    # Even: the tie bytes split as the param, no collective in the step.
+    assert r["rows"]["ties_spec"] == r["rows"]["param_spec"] == "{devices=[4,1]0,1,2,3}"
+    assert r["last_even"]["ties_spec"] == r["last_even"]["param_spec"] == "{devices=[1,4]0,1,2,3}"
+    for name in ("rows", "last_even"):
+        assert r[name]["collectives"] == {}, (name, r[name]["collectives"])
+    # Uneven: the last dim replicated; the rows still split where the param's are.
+    assert r["last_odd"]["ties_spec"] == r["vector_odd"]["ties_spec"] == R4
+    assert r["two_axes_odd"]["param_spec"] == "{devices=[2,2]0,1,2,3}"
+    assert r["two_axes_odd"]["ties_spec"] == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
+    for name in ("last_odd", "vector_odd", "two_axes_odd"):
+        assert r[name]["collectives"], name  # (not avoidable: see the docstring)

@@ -23,6 +23,7 @@ is on; torch_xla is never imported by this module.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -62,23 +63,59 @@ def _on_xla(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "xla"
 
 
-def like_(new: torch.Tensor, src: torch.Tensor, *, same_rank: bool = False) -> torch.Tensor:
+def like_(new: torch.Tensor, src: torch.Tensor, *, packed: int = 0) -> torch.Tensor:
     """Gives ``new`` the SPMD sharding of ``src`` and returns it.
 
     A no-op (``new`` is returned as is) unless SPMD is on, both are XLA tensors of one
-    shape (with ``same_rank``: of one rank, each dim split the same way, as a packed
-    buffer beside its param), and ``src`` carries a sharding. Annotating a tensor that is
-    not yet computed (as ``zeros_like`` returns it) only records the annotation: nothing
-    moves.
+    shape, and ``src`` carries a sharding. With ``packed=k``, ``new`` packs ``k`` of
+    ``src``'s elements along the last dim into one (a remainder's tie bytes, ``k=8``): it
+    must have ``src``'s rank, every dim but the last is split as ``src``'s, and the last
+    dim too where each shard of ``src``'s last dim holds a multiple of ``k`` elements (then
+    every device's packed elements are its own elements'); elsewhere ``new``'s last dim
+    is replicated (``_packed_sharding``). Annotating a tensor that is not yet computed
+    (as ``zeros_like`` returns it) only records the annotation: nothing moves.
     """
-    fits = new.dim() == src.dim() if same_rank else new.shape == src.shape
+    fits = new.dim() == src.dim() if packed else new.shape == src.shape
     if not (active() and _on_xla(new) and _on_xla(src) and fits):
         return new
     xlac = _xlac()
     op = xlac._get_xla_op_sharding(src)
-    if op is not None and xlac._get_xla_sharding_spec(new) != xlac._get_xla_sharding_spec(src):
+    if op is None:
+        return new
+    if packed:
+        op = _packed_sharding(xlac, src, packed, op)
+        if not xlac._get_xla_sharding_spec(new):  # (a fresh buffer, as init_master makes)
+            xlac._xla_mark_sharding(new, op)
+    elif xlac._get_xla_sharding_spec(new) != xlac._get_xla_sharding_spec(src):
         xlac._xla_mark_sharding(new, op)
     return new
+
+
+_TILED = re.compile(r"\{devices=\[([0-9,]+)\]([0-9,]+)( last_tile_dim_replicate)?\}")
+
+
+def _packed_sharding(xlac: Any, src: torch.Tensor, k: int, op: Any) -> Any:
+    """The sharding of a tensor that packs ``k`` of ``src``'s elements along its last dim:
+    ``op`` (``src``'s) where ``src``'s last dim is not split or each of its shards holds a
+    multiple of ``k`` elements; else ``src``'s split of the other dims with the last dim
+    replicated (partial replication over the devices that split it), or wholly
+    replicated where torch_xla's spec string is not a plain tile list."""
+    m = _TILED.fullmatch(xlac._get_xla_sharding_spec(src))
+    if m is None:
+        return op  # replicated, or a form this does not read: as src
+    tiles = [int(x) for x in m.group(1).split(",")]
+    n, parts = int(src.shape[-1]), tiles[src.dim() - 1]
+    if parts == 1 or (-(-n // parts)) % k == 0:
+        return op
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    devices = [int(x) for x in m.group(2).split(",")]
+    if sorted(devices) != list(range(len(devices))):
+        return _replicated(xlac)
+    mesh = xs.Mesh(np.array(devices), tuple(tiles))
+    spec = (*range(src.dim() - 1), None)  # mesh axis d splits dim d; the last dim none
+    return mesh.get_op_sharding(spec)
 
 
 def _replicated(xlac: Any) -> Any:

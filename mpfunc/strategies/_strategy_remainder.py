@@ -57,8 +57,9 @@ def _make(p: torch.Tensor, seed: int, index: int) -> RemainderMaster:
         )
         return RemainderMaster(p, r, t)
     t = p.new_zeros(_remainder.tie_shape(p.shape), dtype=_remainder.TIE_DTYPE)
-    # The param's XLA SPMD sharding (the tie bytes: the same split of every dim).
-    return RemainderMaster(p, _sharding.like_(r, p), _sharding.like_(t, p, same_rank=True))
+    # The param's XLA SPMD sharding (the tie bytes: the same split of every dim, the last
+    # where each shard holds whole bytes; _sharding.like_).
+    return RemainderMaster(p, _sharding.like_(r, p), _sharding.like_(t, p, packed=8))
 
 
 def _load(units: list[Any]) -> list[torch.Tensor]:

@@ -413,11 +413,92 @@ def resume(run: Run, out: Path) -> dict[str, Any]:
     }
 
 
+# --- a remainder's tie bits under SPMD: their sharding and the step's collectives ---------
+
+# (shape, mesh shape, partition spec) of each param: the tie bytes pack 8 elements of the
+# last dim, so a split of that dim fits them only where each shard holds a multiple of 8.
+TIE_CASES = {
+    "rows": ((64, 36), (4,), (0, None)),  # the last dim not split
+    "last_even": ((16, 64), (4,), (None, 0)),  # 16 a device: 2 bytes each
+    "last_odd": ((16, 36), (4,), (None, 0)),  # 9 a device: bytes shared by two devices
+    "vector_odd": ((36,), (4,), (0,)),
+    "two_axes_odd": ((16, 36), (2, 2), (0, 1)),  # rows split evenly, the last dim 18 each
+}
+COLLECTIVES = ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute(",
+               "reduce-scatter(")  # fmt: skip
+
+
+def _collectives(folder: Path, seen: set[str]) -> dict[str, int]:
+    """The collectives in the step graphs XLA compiled since ``seen`` was taken (its
+    after-optimization dumps, partitioned: one per device program), by kind."""
+    found: dict[str, int] = {}
+    for f in sorted(folder.glob("*SyncTensorsGraph*after_optimizations.txt")):
+        if f.name in seen:
+            continue
+        seen.add(f.name)
+        text = f.read_text()
+        for op in COLLECTIVES:
+            if op in text:
+                found[op[:-1]] = found.get(op[:-1], 0) + text.count(" " + op)
+    return found
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def ties(run: Run, out: Path) -> dict[str, Any]:
+    """Each case of ``TIE_CASES``: remainder masters for one sharded bf16 param, three SGD
+    steps whose updates land on exact ties; the tie bits' spec, the collectives of the
+    graphs compiled for it, and whether params, remainders and tie bits equal the CPU's."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    dump = Path(os.environ["MPFUNC_HLO_DUMP"])
+    seen: set[str] = set()
+    opt = mpfunc.sgd(lr=2.0**-8)
+    result: dict[str, Any] = {}
+    for name, (shape, mesh_shape, pspec) in TIE_CASES.items():
+        mesh = xs.Mesh(np.arange(run.n), mesh_shape)
+        gen = torch.Generator().manual_seed(len(result))
+        cpu = (1 + torch.randint(0, 128, shape, generator=gen).float() / 128).to(torch.bfloat16)
+        grads = [(torch.randint(0, 2, shape, generator=gen) * 2 - 1).to(torch.bfloat16)
+                 for _ in range(3)]  # fmt: skip
+
+        def marked(t: torch.Tensor, mesh: Any = mesh, pspec: Any = pspec) -> torch.Tensor:
+            out = t.to(run.device)
+            xs.mark_sharding(out, mesh, pspec)
+            return out
+
+        p = marked(cpu)
+        m = mpfunc.init_master({"p": p}, strategy="remainder")
+        s = opt.init(m)
+        run.sync()
+        _collectives(dump, seen)  # the set-up's graphs: not the step's
+        for g in grads:
+            mpfunc.apply_update_(m, {"p": marked(g)}, s, opt)
+            run.sync()
+        steps = _collectives(dump, seen)
+        ref = mpfunc.init_master({"p": cpu.clone()}, strategy="remainder")
+        ref_s = opt.init(ref)
+        for g in grads:
+            mpfunc.apply_update_(ref, {"p": g}, ref_s, opt)
+        unit = m["p"]
+        result[name] = {
+            "param_spec": run.spmd.spec(unit.param),
+            "ties_spec": run.spmd.spec(unit.ties),
+            "collectives": steps,
+            "equal": all(torch.equal(_raw(a), _raw(b)) for a, b in zip(unit, ref["p"])),
+            "ties_set": int((ref["p"].ties != 0).sum()),
+        }
+    return result
+
+
 def main(argv: list[str]) -> int:
     scenario, out = argv[0], Path(argv[1])
     assert os.environ.get("PJRT_DEVICE") == "CPU", "run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=N"
     run = Run()
-    result = {"train": train, "resume": resume}[scenario](run, out)
+    result = {"train": train, "resume": resume, "ties": ties}[scenario](run, out)
     (out / f"{scenario}.json").write_text(json.dumps(result, indent=1))
     return 0
 
