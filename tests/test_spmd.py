@@ -341,3 +341,30 @@ def test_tie_bits_follow_the_param_where_the_bytes_split_evenly(
     assert r["two_axes_odd"]["ties_spec"] == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
     for name in ("last_odd", "vector_odd", "two_axes_odd"):
         assert r[name]["collectives"], name  # (not avoidable: see the docstring)
+
+
+@pytest.mark.xla
+def test_uint4_codes_follow_a_dim0_split(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4-bit moments are flat (codes two a byte and bf16 block scales, in the master's
+    row-major element order). Where the master is split along dim 0 alone, evenly, with a
+    multiple of 32 elements a device, each device's rows are one flat range: ``opt.init``
+    splits codes and scales the same way, and the steps' graphs have no collective. A split
+    of another dim leaves them replicated (each step then all-gathers the new codes and
+    scales). Codes and scales equal the CPU's bit for bit either way."""
+    monkeypatch.setenv("MPFUNC_HLO_DUMP", str(tmp_path / "hlo"))
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path / 'hlo'} "
+        "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
+    )
+    r = run_worker("uint4", 4, tmp_path)
+    for name, c in r.items():
+        assert c["codes_equal"] and c["master_err"] <= BOUND, (name, c)
+    rows, cols = r["rows"], r["columns"]
+    assert rows["master_spec"] == "{devices=[4,1]0,1,2,3}"
+    assert rows["codes_spec"] == rows["scale_spec"] == "{devices=[4]0,1,2,3}"
+    assert rows["collectives"] == {}, rows["collectives"]
+    assert cols["codes_spec"] == cols["scale_spec"] == R4
+    assert cols["collectives"], cols  # (the measured cost of replicated codes)

@@ -35,6 +35,7 @@ from mpfunc.core import _checks, _tree
 __all__ = [
     "MIN_NUMEL",
     "active",
+    "flat_like_",
     "kept",
     "like_",
     "mark_sharding_",
@@ -116,6 +117,34 @@ def _packed_sharding(xlac: Any, src: torch.Tensor, k: int, op: Any) -> Any:
     mesh = xs.Mesh(np.array(devices), tuple(tiles))
     spec = (*range(src.dim() - 1), None)  # mesh axis d splits dim d; the last dim none
     return mesh.get_op_sharding(spec)
+
+
+def flat_like_(new: torch.Tensor, src: torch.Tensor, per: int) -> torch.Tensor:
+    """Gives the 1-d ``new``, which holds ``src``'s elements in row-major order ``per`` to
+    an entry (4-bit codes: 2 a byte; their block scales: 32), the split of ``src``'s
+    sharding where that split is of dim 0 alone, even, and gives every device a multiple
+    of ``per`` elements: then device ``i``'s rows are one flat range of ``src``'s elements,
+    and the same range of ``new``. Elsewhere (a split of another dim, uneven, or not
+    annotated yet) ``new`` is left as it is: replicated. Returns ``new``."""
+    if not (active() and _on_xla(new) and _on_xla(src) and new.dim() == 1 and src.dim() >= 1):
+        return new
+    xlac = _xlac()
+    m = _TILED.fullmatch(xlac._get_xla_sharding_spec(src))
+    if m is None or m.group(3) or xlac._get_xla_sharding_spec(new):
+        return new
+    tiles = [int(x) for x in m.group(1).split(",")]
+    k = tiles[0]
+    numel = src.numel()
+    if any(t != 1 for t in tiles[1:]) or src.shape[0] % k or (numel // k) % per:
+        return new
+    if new.shape[0] != numel // per:  # (the rows' elements fill whole entries)
+        return new
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    devices = [int(x) for x in m.group(2).split(",")]
+    xlac._xla_mark_sharding(new, xs.Mesh(np.array(devices), (k,)).get_op_sharding((0,)))
+    return new
 
 
 def _replicated(xlac: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mpfunc.core import _checks
+from mpfunc.parallel import _sharding
 from mpfunc.state_formats import _quantize4
 from mpfunc.state_formats._base import Problem, StateFormat, store_codes
 from mpfunc.state_formats._quantize4 import Q4State
@@ -37,7 +38,12 @@ KEY: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 
 
 def _zeros(kind: str, dtype: torch.dtype, like: torch.Tensor) -> Q4State:
-    return _quantize4.zeros4(like.shape, kind != "square", like.device)
+    z = _quantize4.zeros4(like.shape, kind != "square", like.device)
+    # XLA SPMD: flat codes and scales in row-major element order follow a master split
+    # along dim 0 alone (each device's rows are one flat range); otherwise replicated.
+    _sharding.flat_like_(z.codes, like, 2)
+    _sharding.flat_like_(z.scale, like, _quantize4.BLOCK)
+    return z
 
 
 def _zeros_list(kind: str, dtypes: list[torch.dtype | None], faces: list[Any]) -> list[Any]:
