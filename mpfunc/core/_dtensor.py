@@ -41,12 +41,16 @@ __all__ = [
 ]
 
 
-def dtensor_type() -> Any:
-    """The DTensor class if torch's DTensor module is loaded (no DTensor exists otherwise)."""
-    mod = sys.modules.get("torch.distributed.tensor") or sys.modules.get(
+def _module() -> Any:
+    """torch's DTensor module if loaded (public from torch 2.5, ``_tensor`` before), else None."""
+    return sys.modules.get("torch.distributed.tensor") or sys.modules.get(
         "torch.distributed._tensor"
     )
-    cls = getattr(mod, "DTensor", None)
+
+
+def dtensor_type() -> Any:
+    """The DTensor class if torch's DTensor module is loaded (no DTensor exists otherwise)."""
+    cls = getattr(_module(), "DTensor", None)
     return cls if isinstance(cls, type) else None
 
 
@@ -106,8 +110,7 @@ def extents(t: Any, dim: int, size: int | None = None) -> list[tuple[int, int]] 
     ``ceil(n / mesh size)``, empty ones last), as DTensor places its shards. ``None`` if a
     placement splits ``dim`` some other way (a ``Shard`` subclass such as FSDP2 + TP's
     strided shards). Computed from the global shape alone, so every rank gets the same."""
-    from torch.distributed.tensor import Shard
-
+    Shard = _module().Shard  # (loaded: t is a DTensor)
     spec = t._spec
     pieces = [(0, int(t.shape[dim]) if size is None else size)]
     for i, placement in enumerate(spec.placements):

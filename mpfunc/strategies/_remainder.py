@@ -28,7 +28,9 @@ instead: the payload is the one difference.
 the last dim, byte ``[..., j // 8]`` bit ``j % 8`` for element ``[..., j]`` (a row's last
 byte padded with zeros); a 0-d param has one 0-d byte. Packing along the last dim keeps
 every other dim as the param's, so a dim-0 split (FSDP2, SPMD) cuts the param and its
-bits alike; splitting the last dim does so only in chunks of a multiple of 8. Bits are
+bits alike; splitting the last dim does so only in chunks of a multiple of 8 (FSDP2:
+``sharding_problem`` refuses other splits; SPMD: ``_sharding.like_(..., packed=8)``
+replicates the bits' last dim there). Bits are
 set only at ties that rounded up and at the low-payload NaNs, so ``split`` writes one
 canonical triple per master; ``join(*split(m))`` is ``m`` for all 2^32 patterns
 (``python -m bench.remainder`` checks every one).
