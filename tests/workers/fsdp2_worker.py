@@ -215,6 +215,38 @@ def _remainder_or_fp32(path: str, p: torch.Tensor) -> str:
     return "fp32" if _remainder.sharding_problem(p) is not None else "remainder"
 
 
+def check_rule(rank: int, world: int) -> None:
+    """``_dtensor.extents`` against DTensor's own placement of every length 0..40 (1-d and
+    as a last dim, beside a split dim 0), and ``sharding_problem`` against its definition:
+    None exactly where every non-empty shard starts at a multiple of 8 elements, and then
+    the tie bytes distributed alike hold each rank's own elements' bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mpfunc.core import _dtensor
+    from mpfunc.strategies import _remainder
+
+    mesh = init_device_mesh("cpu", (world,))
+    for n in range(41):
+        for shape, dim in (((n,), 0), ((3, n), 1)):
+            index = torch.arange(n, dtype=torch.float32).expand(shape).contiguous()
+            t = distribute_tensor(index, mesh, [Shard(dim)])
+            pieces = _dtensor.extents(t, dim)
+            assert pieces is not None and len(pieces) == world, (shape, pieces)
+            off, length = pieces[rank]
+            got = t.to_local().select(0, 0) if dim else t.to_local()  # its elements' indices
+            assert got.tolist() == list(range(off, off + length)), (shape, pieces, rank)
+            assert sum(k for _, k in pieces) == n, pieces
+            aligned = all(o % 8 == 0 for o, k in pieces if k)
+            assert (_remainder.sharding_problem(t) is None) == aligned, (shape, pieces)
+            if aligned:
+                ties = distribute_tensor(
+                    torch.zeros(_remainder.tie_shape(shape)), mesh, [Shard(dim)]
+                )
+                local = _remainder.tie_shape(t.to_local().shape)
+                assert tuple(ties.to_local().shape) == local, (shape, local)
+
+
 def check_refused(rank: int, world: int) -> None:
     """A bias whose shards do not start on a byte of tie bits is refused, naming it."""
     params = _sharded(tie_model(), world)
@@ -334,6 +366,7 @@ def train_ties(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 def scenario_ties(rank: int, world: int, out: str) -> None:
+    check_rule(rank, world)
     check_refused(rank, world)
     result = train_ties(rank, world, out)
     torch.save(result, f"{out}/ties-rank{rank}.pt")
