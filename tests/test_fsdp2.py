@@ -68,8 +68,10 @@ def test_fsdp2_remainder_ties_are_the_fp32_run(tmp_path: pathlib.Path) -> None:
     """Remainder masters under FSDP2: the tie bits are placed as their params (a shard
     that would split a tie byte is refused, naming the leaf); Lion on updates that land on
     exact ties gives the "fp32" run's params, masters and state bit for bit at every step
-    (asserted in the ranks); a DCP checkpoint of the sharded run resumes bit for bit at
-    2 ranks and loads here, in one process, to the fp32 run's masters."""
+    (asserted in the ranks), through the functional API and through ``MasterOptimizer``
+    (whose per-rank ``state_dict()`` resumes bit for bit); a DCP checkpoint of the sharded
+    run resumes bit for bit at 2 ranks and loads here, in one process, to the fp32 run's
+    masters."""
     import torch.distributed.checkpoint as dcp
 
     from mpfunc.strategies import _remainder

@@ -155,12 +155,12 @@ TIE_LR = 2.0**-12  # half an ulp of bf16 values in [2**-4, 2**-3): Lion lands on
 TIE_STEPS = 6
 
 
-def tie_model() -> torch.nn.Module:
+def tie_model(shapes: tuple[tuple[int, int], ...] = TIE_LAYERS) -> torch.nn.Module:
     """bf16 Linears with every weight and bias +-[2**-4, 2**-3) on the bf16 grid, so that
     Lion's +-lr updates land on exact halves of an ulp."""
     gen = torch.Generator().manual_seed(0)
     layers: list[torch.nn.Module] = []
-    for i, o in TIE_LAYERS:
+    for i, o in shapes:
         lin = torch.nn.Linear(i, o)
         with torch.no_grad():
             for p in lin.parameters():
@@ -365,9 +365,57 @@ def train_ties(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"ties": ties, "set_bits": set_bits, "kinds": kinds, "saved_fp32": saved}
 
 
+def check_master_optimizer(rank: int, world: int, out: str) -> None:
+    """``MasterOptimizer(strategy="remainder")`` on FSDP2 params (every leaf's split fits
+    whole tie bytes) is ``strategy="fp32"`` bit for bit on exact ties (params, and its
+    state's "master" against the joined remainder), and its ``state_dict()`` saved with
+    ``torch.save`` on each rank resumes bit for bit."""
+    from mpfunc.strategies import _remainder
+
+    shapes = TIE_LAYERS[:2]
+    models = [tie_model(shapes) for _ in range(3)]
+    params = [list(_sharded(m, world).values()) for m in models]
+    opts = [
+        mpfunc.MasterOptimizer(ps, mpfunc.lion, strategy=s, lr=TIE_LR, weight_decay=0.0)
+        for ps, s in zip(params, ("fp32", "remainder", "remainder"))
+    ]
+
+    def step(i: int, k: int) -> None:
+        x, y = _tie_batch(i, rank, world)
+        torch.nn.functional.mse_loss(models[k](x).float(), y[:, : shapes[-1][1]]).backward()
+        opts[k].step()
+        opts[k].zero_grad()
+
+    ties = 0
+    for i in range(TIE_STEPS):
+        step(i, 0)
+        step(i, 1)
+        for a, b in zip(params[0], params[1]):
+            _same(a, b, f"MasterOptimizer step {i}")
+            e32, erem = opts[0].state[a], opts[1].state[b]
+            joined = _remainder.join(*(t.to_local() for t in (b, erem["remainder"], erem["ties"])))
+            _same(joined, e32["master"], f"MasterOptimizer master {i}")
+            _same(erem["exp_avg"], e32["exp_avg"], f"MasterOptimizer exp_avg {i}")
+            ties += int((erem["ties"].to_local() != 0).sum())
+        if i == TIE_STEPS // 2 - 1:
+            torch.save(opts[1].state_dict(), f"{out}/opt-rank{rank}.pt")
+            with torch.no_grad():
+                for a, b in zip(params[2], params[1]):
+                    a.to_local().copy_(b.to_local())  # (the model's own checkpoint)
+    assert ties > 0
+    opts[2].load_state_dict(torch.load(f"{out}/opt-rank{rank}.pt", weights_only=False))
+    for i in range(TIE_STEPS // 2, TIE_STEPS):
+        step(i, 2)
+    for a, b in zip(params[2], params[1]):
+        _same(a, b, "MasterOptimizer resumed param")
+        for k, v in opts[1].state[b].items():
+            _same(opts[2].state[a][k], v, f"MasterOptimizer resumed {k}")
+
+
 def scenario_ties(rank: int, world: int, out: str) -> None:
     check_rule(rank, world)
     check_refused(rank, world)
+    check_master_optimizer(rank, world, out)
     result = train_ties(rank, world, out)
     torch.save(result, f"{out}/ties-rank{rank}.pt")
 
