@@ -99,8 +99,9 @@ def _packed_sharding(xlac: Any, src: torch.Tensor, k: int, op: Any) -> Any:
     """The sharding of a tensor that packs ``k`` of ``src``'s elements along its last dim:
     ``op`` (``src``'s) where ``src``'s last dim is not split or each of its shards holds a
     multiple of ``k`` elements; else ``src``'s split of the other dims with the last dim
-    replicated (partial replication over the devices that split it), or wholly
-    replicated where torch_xla's spec string is not a plain tile list."""
+    replicated (partial replication over the devices that split it). A sharding whose
+    spec string is not a plain tile list (a form this does not read) is kept as ``src``'s:
+    correct, XLA reshards in the step."""
     m = _TILED.fullmatch(xlac._get_xla_sharding_spec(src))
     if m is None:
         return op  # replicated, or a form this does not read: as src
