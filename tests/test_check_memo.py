@@ -423,11 +423,12 @@ def test_another_optimizer_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> 
         calls.clear()
         t["opt"] = opt
         _update(t)
-        # Planned again (not recalled): the state's checks ran and the leaves were decided.
-        # (Which state checks show depends on check_memory's one-pass common case, taken
-        # where no DTensor type is loaded in the process.)
-        assert calls[-1] == "decide" and calls.count("decide") == 1, calls
-        assert "check_pairs" in calls, calls
+        # Planned again (not recalled): the state's checks ran and the leaves were decided,
+        # once. (The step's memory check follows the plan; which of its checks show
+        # depends on check_memory's one-pass common case, taken where no DTensor type is
+        # loaded in the process.)
+        assert calls.count("decide") == 1, calls
+        assert "check_pairs" in calls[: calls.index("decide")], calls
     assert len(used) <= 1  # foreach never took the native kernel
 
 

@@ -550,8 +550,8 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
 
 def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
     """optree walks ``optree.MAX_RECURSION_DEPTH`` (1000) levels, and mpfunc's own
-    containers (a partition's state, a pure update's copy, a checkpoint's dict) add one or
-    two: a user tree of depth 1000 used to end in a bare ``RecursionError``. Now a
+    containers (a pure update's copy of a partition's state, a checkpoint's dict) add one
+    or two: a user tree of depth 1000 used to end in a bare ``RecursionError``. Now a
     ``ValueError`` that names the limit and the fix, raised before anything is written."""
     import optree
 
@@ -567,8 +567,9 @@ def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
         rf"expected a tree nested at most {limit} levels deep \(optree's limit; mpfunc's own "
         r"containers.* add a level or two to yours\), got a deeper one"
     )
+    deeper = _deep(limit + 1, torch.ones(3))
     calls: list[Callable[[], Any]] = [
-        lambda: mpfunc.apply_update_(masters, grads, state, opt, params=params),
+        lambda: mpfunc.apply_update_(masters, deeper, state, opt, params=params),
         lambda: mpfunc.apply_update(masters, grads, state, mpfunc.adamw(lr=1e-3)),
         lambda: mpfunc.state_dict({"masters": masters, "state": state}),
         lambda: mpfunc.init_master(_deep(limit + 1, torch.ones(3))),
@@ -577,3 +578,9 @@ def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
         with pytest.raises(ValueError, match=match):
             call_()
         assert_unchanged(snap)
+    # A partition's state holds each sub-state a level down, but a step walks each
+    # sub-state's fields alone: trees at the limit step.
+    master = _leaves(masters)[0]
+    before = master.clone()
+    mpfunc.apply_update_(masters, grads, state, opt, params=params)
+    assert not torch.equal(master, before)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -420,26 +421,6 @@ def _state_fields(
     return out
 
 
-def tensor_sides(side: Side) -> list[Side]:
-    """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
-    one per unit field, each keeping the unit's path."""
-    leaves = side.leaves
-    units = [len(x) for x in leaves if isinstance(x, tuple)]
-    width = max([0, *units])
-    if width == 0:
-        return [side]
-    if len(units) == len(leaves) and min(units) == width:  # every leaf a unit of one width
-        return [side._replace(leaves=list(column)) for column in zip(*leaves)]
-    out = []
-    for j in range(width):
-        leaves = [
-            (x[j] if j < len(x) else None) if isinstance(x, tuple) else (x if j == 0 else None)
-            for x in side.leaves
-        ]
-        out.append(side._replace(leaves=leaves))
-    return out
-
-
 class Mixed(NamedTuple):
     """One chunk of a mixed step: what ``_run_mixed`` loads, steps and stores."""
 
@@ -575,17 +556,14 @@ def _plan_elementwise(
     if groups is None:
         _state_fields(fn, rule, hyper, step, state, state_dtype, flat)
     moments = [f for name, f in fields.items() if name != "step"]
-    if groups is None:
+    if step.sweep is not None:
+        # The state's storage, writability and aliasing (with everything the step writes
+        # and reads) are checked once for the whole call, after every plan (Sweep.run).
         sides = [
-            t
+            Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True)
             for n, f in fields.items()
-            for t in tensor_sides(Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True))
         ]
-        written = tensor_sides(step.masters)
-        if step.model is not None:
-            written.append(step.model.where_present(step.masters.leaves))
-        # check_storage and check_writable of the state, then no alias among all of it.
-        _checks.check_memory(fn, sides, written, [step.grads])
+        step.sweep.add(sides, checked=groups is None)
     masters, grads = step.masters.leaves, step.grads.leaves
     faces = step.faces if step.faces is not None else masters
     strategies = step.kinds if step.kinds is not None else [None] * len(masters)
@@ -602,8 +580,8 @@ def _plan_elementwise(
         )
     if groups is None:
         groups = _decide(fn, rule, hyper, impl, step, moments, model)
-        if memo_key is not None:
-            step.memo.put(memo_key, groups, parts)
+        if memo_key is not None and step.sweep is not None:
+            step.sweep.keep(partial(step.memo.put, memo_key, groups, parts))
     steps = fields.get("step")
     cache: dict[Any, Any] = {}
     work: list[Work] = []

@@ -53,6 +53,7 @@ __all__ = [
     "recall",
     "storage_problem",
     "tensor_leaves",
+    "tensor_sides",
     "zero_d_bool",
 ]
 
@@ -309,6 +310,26 @@ class Side(NamedTuple):
     def path(self, i: int) -> str:
         # One walk of the tree, on the error path only: linear in the number of leaves.
         return _tree.leaf_paths(self.tree, self.name, units=self.units)[i]
+
+
+def tensor_sides(side: Side) -> list[Side]:
+    """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
+    one per unit field, each keeping the unit's path."""
+    leaves = side.leaves
+    units = [len(x) for x in leaves if isinstance(x, tuple)]
+    width = max([0, *units])
+    if width == 0:
+        return [side]
+    if len(units) == len(leaves) and min(units) == width:  # every leaf a unit of one width
+        return [side._replace(leaves=list(column)) for column in zip(*leaves)]
+    out = []
+    for j in range(width):
+        leaves = [
+            (x[j] if j < len(x) else None) if isinstance(x, tuple) else (x if j == 0 else None)
+            for x in side.leaves
+        ]
+        out.append(side._replace(leaves=leaves))
+    return out
 
 
 def tensor_leaves(
