@@ -27,8 +27,7 @@ from typing import Any, NamedTuple, NoReturn, Union
 import torch
 from optree import PyTreeSpec
 
-from mpfunc.core import _checks
-from mpfunc.core._checks import LR, Side
+from mpfunc.core._checks import LR, Side, Sweep
 
 __all__ = [
     "Group",
@@ -36,7 +35,6 @@ __all__ = [
     "Optimizer",
     "Rule",
     "Step",
-    "Sweep",
     "TensorList",
     "Work",
     "unless_skipped",
@@ -44,51 +42,6 @@ __all__ = [
 
 # What torch's foreach ops take and return.
 TensorList = Union[list[torch.Tensor], tuple[torch.Tensor, ...]]
-
-
-class Sweep:
-    """A step's one memory check, made after every plan and before any kernel runs.
-
-    ``apply_update_`` names what the step writes and reads (``written``: the masters, units
-    as leaves, and the params it rounds into; ``read``: the grads), and each plan adds the
-    state it will write (``add``), after checking that state's structure, dtypes and
-    shapes. ``run`` then checks each state tensor's storage and writability and, over all
-    of the step's tensors at once, that no two share memory where one is written
-    (``_checks.check_memory``): one alias sweep per call, wherever a partition's labels or
-    a state's fields put the two names. It runs only when some check of the call ran in
-    full (``full``: a memo miss); what the call's checks would remember (``keep``) is
-    remembered only after it passed, so a remembered step or plan always stands for
-    inputs that passed this check too.
-    """
-
-    __slots__ = ("full", "kept", "read", "state", "written")
-
-    def __init__(self, written: list[Side], read: list[Side], *, full: bool) -> None:
-        self.written = written
-        self.read = read
-        self.state: list[Side] = []
-        self.full = full
-        self.kept: list[Callable[[], None]] = []
-
-    def add(self, state: Sequence[Side], *, checked: bool) -> None:
-        """The state one plan writes (each field a side, units as leaves); ``checked``:
-        the plan checked it in full (not remembered from an identical past call)."""
-        self.state.extend(state)
-        self.full = self.full or checked
-
-    def keep(self, remember: Callable[[], None]) -> None:
-        """Calls ``remember`` (a memo record of checks that passed) once ``run`` passed."""
-        self.kept.append(remember)
-
-    def run(self, fn: str) -> None:
-        """The check, if any check of the call ran in full; then what was kept."""
-        if self.full:
-            fresh = [t for side in self.state for t in _checks.tensor_sides(side)]
-            written = [t for side in self.written for t in _checks.tensor_sides(side)]
-            _checks.check_memory(fn, fresh, written, self.read)
-        for remember in self.kept:
-            remember()
-        self.kept.clear()
 
 
 class Step(NamedTuple):

@@ -28,7 +28,7 @@ from mpfunc.backends._diagnostics import UpdateStats
 from mpfunc.core import _cache, _checks, _dtensor, _gc, _tree
 from mpfunc.core._checks import Like
 from mpfunc.core._compile import compiling
-from mpfunc.core._optimizer import Optimizer, Step, Sweep, Work
+from mpfunc.core._optimizer import Optimizer, Step, Work
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _strategy
 from mpfunc.transforms import _loss_scale
@@ -78,7 +78,7 @@ def _check(
     # included) passed these checks before: they are skipped (_cache.memo_entry).
     key, parts, entry = _recall(fn, flat)
     if entry is not None and entry.info is not None:
-        divisor = _loss_scale.scale_value(fn, scale)
+        divisor = None if scale is None else _loss_scale.scale_value(fn, scale)
         step = _recalled(entry, flat, masters, grads, skip, params, divisor, stats)
         return _resolved(_with_sweep(step, full=False))
     step = _with_sweep(
@@ -101,7 +101,7 @@ def _with_sweep(step: Step, *, full: bool) -> Step:
     and the params it writes, the grads it reads; each plan adds its state. The grads are
     the caller's, before ``_resolved`` copies a negative view."""
     written = [step.masters] if step.model is None else [step.masters, step.model]
-    return step._replace(sweep=Sweep(written, [step.grads], full=full))
+    return step._replace(sweep=_checks.Sweep(written, [step.grads], full=full))
 
 
 # Per tree of a step (masters, grads, params, stats): its leaves and spec, units (a
@@ -256,7 +256,7 @@ def _check_all(
                 for x, q, k in zip(m.leaves, p.leaves, kinds)
             ]
         )
-    divisor = _loss_scale.scale_value(fn, scale)
+    divisor = None if scale is None else _loss_scale.scale_value(fn, scale)
     stat_leaves = None
     if stats is not None:
         stat_leaves, s_spec = flat[3]
