@@ -68,8 +68,8 @@ def _check(
 ) -> Step:
     if not isinstance(opt, Optimizer):
         raise TypeError(
-            f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/lion/partition/"
-            f"torch_optimizer), got {_checks.describe(opt)}"
+            f"{fn}: opt: expected an mpfunc Optimizer (from an optimizer factory such as "
+            f"mpfunc.adamw(...), or partition/torch_optimizer), got {_checks.describe(opt)}"
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
     # Each tree flattened once per call (units kept whole), for the memo key and the checks.
