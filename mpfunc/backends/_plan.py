@@ -399,8 +399,8 @@ def _state_fields(
             for i, (f, x) in enumerate(zip(faces, leaves)):
                 if f is None:
                     if x is not None:
-                        _checks.fail(ValueError, fn, side.path(i), "None (this leaf has no master)",
-                                     _checks.describe(x))  # fmt: skip
+                        none = "None (this leaf has no master)"
+                        _checks.fail(ValueError, fn, side.path(i), none, _checks.describe(x))
                     continue
                 if x is None:
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
@@ -496,8 +496,8 @@ def _run_mixed(mx: Mixed, hyper: Any) -> None:
     mx.kernel(Group(values, grads, group_state, mx.lr, mx.skip), hyper)
     for name, kind in mx.kinds.items():
         if kind != "step":
-            _state_format.store(mx.fields[name], state[name], kind, mx.skip,
-                                mx.fields.get("step"), mx.salts)  # fmt: skip
+            steps = mx.fields.get("step")
+            _state_format.store(mx.fields[name], state[name], kind, mx.skip, steps, mx.salts)
     mx.strategy.store(mx.masters, values, mx.skip)
     if mx.model is not None:
         rounded = [v.to(p.dtype) for p, v in zip(mx.model, values)]
