@@ -1,18 +1,23 @@
 """One tensor under two names (tied weights, views, detached copies, expanded XLA
 tensors) is refused naming both paths; tied ``named_parameters`` train once, as
-torch.optim does; int buffers and adjacent views are not aliases."""
+torch.optim does; int buffers and adjacent views are not aliases. ``apply_update_``
+sweeps its masters, params, grads and state for aliases once per call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.hardening import _SHARED, BF16, F32, B, W, _alias, _at, _rand, _windows
-from support.helpers import settle
+from support.helpers import assert_unchanged, settle, snapshot
 
 import mpfunc
+from mpfunc.core import _cache, _checks
 
 # torch warns once per process that CSR support is in beta; these tests only hand CSR
 # tensors to functions that must refuse them.
@@ -157,3 +162,230 @@ def test_adjacent_views_of_one_buffer_are_not_aliases() -> None:
     params = {"a": torch.zeros(W, dtype=BF16), "b": torch.zeros(W, dtype=BF16)}
     mpfunc.masters_to_model_(masters, params)
     assert torch.equal(params["b"], b.to(BF16))
+
+
+# --- apply_update_: one alias sweep per call, over masters, params, grads and state ----------
+
+
+def _aliasable(t: torch.Tensor, how: str) -> torch.Tensor:
+    """``t`` under a second name: itself, a view of all of it, or ``.detach()``."""
+    return {"same": t, "view": t[:], "detach": t.detach()}[how]
+
+
+def _step_inputs(device: torch.device, state_dtype: torch.dtype, labels: bool) -> dict[str, Any]:
+    """bf16 params and grads, their fp32 masters, AdamW (one label per leaf, with
+    ``labels``: each leaf's state in its own sub-state) and its state."""
+    params = {"a": _rand(W, BF16, 1, device), "z": _rand(W, BF16, 2, device)}
+    adamw = mpfunc.adamw(lr=0.1, state_dtype=state_dtype)
+    opt = mpfunc.partition({"a": adamw, "z": adamw}, lambda path, m: path) if labels else adamw
+    masters = mpfunc.init_master(params)
+    grads = {"a": _rand(W, BF16, 3, device), "z": _rand(W, BF16, 4, device)}
+    state = opt.init(masters)
+    return dict(params=params, masters=masters, grads=grads, opt=opt, state=state, labels=labels)
+
+
+def _moments(t: dict[str, Any], leaf: str) -> tuple[Any, str]:
+    """The state that holds ``leaf``'s moments (its label's, in a partition) and its name."""
+    if t["labels"]:
+        return t["state"][leaf], f"state[{leaf!r}]"
+    return t["state"], "state"
+
+
+def _set_moment(t: dict[str, Any], leaf: str, field: str, value: torch.Tensor) -> None:
+    sub, _ = _moments(t, leaf)
+    new = sub._replace(**{field: {**getattr(sub, field), leaf: value}})
+    t["state"] = {**t["state"], leaf: new} if t["labels"] else new
+
+
+def _moment(t: dict[str, Any], leaf: str, field: str) -> torch.Tensor:
+    return getattr(_moments(t, leaf)[0], field)[leaf]  # type: ignore[no-any-return]
+
+
+def _state_path(t: dict[str, Any], leaf: str, field: str) -> str:
+    return f"{_moments(t, leaf)[1]}.{field}.{leaf}"
+
+
+# Each pair of the step's trees that may not share memory where one is written:
+# name -> (state dtype, the change that makes the second name, the two paths named).
+ALIASES: dict[str, tuple[torch.dtype, Callable[[dict[str, Any], str], tuple[str, str]]]] = {}
+
+
+def _alias_case(name: str, state_dtype: torch.dtype = F32) -> Any:
+    def register(change: Callable[[dict[str, Any], str], tuple[str, str]]) -> Any:
+        ALIASES[name] = (state_dtype, change)
+        return change
+
+    return register
+
+
+@_alias_case("master-grad")
+def _master_grad(t: dict[str, Any], how: str) -> tuple[str, str]:
+    t["grads"] = {**t["grads"], "z": _aliasable(t["masters"]["z"], how)}
+    return "masters.z", "grads.z"
+
+
+@_alias_case("master-model")
+def _master_model(t: dict[str, Any], how: str) -> tuple[str, str]:
+    t["params"] = {**t["params"], "z": _aliasable(t["masters"]["z"], how)}
+    return "masters.z", "params.z"
+
+
+@_alias_case("model-grad")
+def _model_grad(t: dict[str, Any], how: str) -> tuple[str, str]:
+    t["grads"] = {**t["grads"], "z": _aliasable(t["params"]["z"], how)}
+    return "params.z", "grads.z"
+
+
+@_alias_case("state-master")
+def _state_master(t: dict[str, Any], how: str) -> tuple[str, str]:
+    _set_moment(t, "z", "exp_avg", _aliasable(t["masters"]["z"], how))
+    return "masters.z", _state_path(t, "z", "exp_avg")
+
+
+@_alias_case("state-grad", BF16)
+def _state_grad(t: dict[str, Any], how: str) -> tuple[str, str]:
+    _set_moment(t, "z", "exp_avg", _aliasable(t["grads"]["z"], how))
+    return "grads.z", _state_path(t, "z", "exp_avg")
+
+
+@_alias_case("state-model", BF16)
+def _state_model(t: dict[str, Any], how: str) -> tuple[str, str]:
+    _set_moment(t, "z", "exp_avg", _aliasable(t["params"]["z"], how))
+    return "params.z", _state_path(t, "z", "exp_avg")
+
+
+@_alias_case("state-state-fields")
+def _state_fields(t: dict[str, Any], how: str) -> tuple[str, str]:
+    _set_moment(t, "z", "exp_avg_sq", _aliasable(_moment(t, "z", "exp_avg"), how))
+    return _state_path(t, "z", "exp_avg"), _state_path(t, "z", "exp_avg_sq")
+
+
+@_alias_case("state-state-leaves")
+def _state_leaves(t: dict[str, Any], how: str) -> tuple[str, str]:
+    # In a partition, across labels: each sub-plan alone would find nothing.
+    _set_moment(t, "a", "exp_avg", _aliasable(_moment(t, "z", "exp_avg"), how))
+    return _state_path(t, "a", "exp_avg"), _state_path(t, "z", "exp_avg")
+
+
+def _update(t: dict[str, Any]) -> None:
+    mpfunc.apply_update_(t["masters"], t["grads"], t["state"], t["opt"], params=t["params"])
+
+
+@pytest.mark.parametrize("combo", sorted(ALIASES))
+@settings(max_examples=4)
+@given(
+    how=st.sampled_from(["same", "view", "detach"]),
+    labels=st.booleans(),
+    remembered=st.booleans(),
+)
+def test_every_aliasing_pair_of_a_step_is_refused_before_any_write(
+    device: torch.device, combo: str, how: str, labels: bool, remembered: bool
+) -> None:
+    """Masters, params, grads and state: any two sharing memory where one is written
+    (the same tensor, a view, ``.detach()``; in one state field, across fields, across a
+    partition's labels) are refused by the step's one memory check, naming both paths,
+    with every tensor's bits and ``_version`` as they were; also after identical steps
+    were remembered (the new name changes the memo key), and again on the same call
+    (checks that passed before the sweep refused it are not remembered)."""
+    state_dtype, change = ALIASES[combo]
+    t = _step_inputs(device, state_dtype, labels)
+    if remembered:
+        _update(t)
+        _update(t)
+    paths = change(t, how)
+    trees = {k: t[k] for k in ("params", "masters", "grads", "state")}
+    snap = snapshot(trees)
+    for _ in range(2):  # a refused call is not remembered: the same call is refused again
+        with pytest.raises(ValueError, match=_alias("apply_update_", *paths)):
+            _update(t)
+        assert_unchanged(trees, snap)
+
+
+def _count_sweeps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each alias sweep: every outermost call of ``check_no_alias`` or
+    ``check_memory`` (whose full path calls ``check_no_alias``: one sweep)."""
+    sweeps: list[str] = []
+    depth = [0]
+    for name in ("check_no_alias", "check_memory"):
+        real = getattr(_checks, name)
+
+        def spy(*args: Any, _real: Callable[..., Any] = real, _n: str = name, **kw: Any) -> Any:
+            if depth[0] == 0:
+                sweeps.append(_n)
+            depth[0] += 1
+            try:
+                return _real(*args, **kw)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(_checks, name, spy)
+    return sweeps
+
+
+def _sweep_case(kind: str, device: torch.device) -> Callable[[], Any]:
+    """One step's call for each kind of optimizer and master: its state plain, in units
+    (8-bit moments of "remainder" masters), in a partition's labels, or none at all."""
+    params = {"a": _rand((4, 16), BF16, 1, device), "z": _rand((4, 16), BF16, 2, device)}
+    grads = {"a": _rand((4, 16), BF16, 3, device), "z": _rand((4, 16), BF16, 4, device)}
+    if kind == "adamw":
+        masters = mpfunc.init_master(params)
+        opt = mpfunc.adamw(lr=0.1)
+    elif kind == "remainder-uint8":
+        masters = mpfunc.init_master(params, strategy="remainder")
+        opt = mpfunc.adamw(lr=0.1, state_dtype=torch.uint8)
+    elif kind == "partition":
+        masters = mpfunc.init_master(params)
+        labels = {"a": "decay", "z": "momentum"}
+        opt = mpfunc.partition(
+            {"decay": mpfunc.adamw(lr=0.1, weight_decay=0.1), "momentum": mpfunc.sgd(0.1, 0.9)},
+            labels,
+        )
+    else:  # torch_optimizer: a state of no tensors, fp32 grads
+        masters = mpfunc.init_master(params)
+        opt = mpfunc.torch_optimizer(torch.optim.RMSprop, lr=0.1)
+        grads = mpfunc.grads_to_fp32(grads)
+    state = opt.init(masters)
+    if kind in ("adamw", "partition"):
+        return lambda: mpfunc.apply_update_(masters, grads, state, opt, params=params)
+    return lambda: mpfunc.apply_update_(masters, grads, state, opt)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "remainder-uint8", "partition", "torch_optimizer"])
+def test_apply_update_sweeps_for_aliases_once_per_call(
+    device: torch.device, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One alias sweep on a call checked in full (every first call; every call on XLA,
+    which has no memo), over masters, params, grads and every state at once; none on a
+    remembered call; one again when only the state is new (its plan is not remembered)."""
+    step = _sweep_case(kind, device)
+    sweeps = _count_sweeps(monkeypatch)
+    per_call = []
+    for _ in range(3):
+        sweeps.clear()
+        step()
+        per_call.append(len(sweeps))
+    remembered = 1 if device.type == "xla" else 0
+    assert per_call == [1, remembered, remembered], (per_call, sweeps)
+    with _cache.memo_off():
+        sweeps.clear()
+        step()
+        assert len(sweeps) == 1, sweeps
+
+
+def test_a_new_state_on_remembered_trees_is_swept_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's trees remembered, its state new: the plan checks the state in full and the
+    one sweep covers it with everything else (a moment made the master's is refused)."""
+    t = _step_inputs(torch.device("cpu"), F32, labels=False)
+    _update(t)
+    _update(t)
+    sweeps = _count_sweeps(monkeypatch)
+    t["state"] = t["opt"].init(t["masters"])
+    _update(t)
+    assert len(sweeps) == 1, sweeps
+    _set_moment(t, "a", "exp_avg", t["masters"]["a"])
+    trees = {k: t[k] for k in ("params", "masters", "grads", "state")}
+    snap = snapshot(trees)
+    with pytest.raises(ValueError, match=_alias("apply_update_", "masters.a", "state.exp_avg.a")):
+        _update(t)
+    assert_unchanged(trees, snap)
+    assert len(sweeps) == 2, sweeps

@@ -71,8 +71,13 @@ def _csr(shape: tuple[int, ...], dtype: torch.dtype = F32) -> torch.Tensor:
 
 
 # The state field that holds a moment like the masters (partition: z.w is labelled "d").
-MOMENT = {"sgd": "momentum_buffer", "adam": "exp_avg", "adamw": "exp_avg", "lion": "exp_avg",
-          "partition": "exp_avg"}  # fmt: skip
+MOMENT = {
+    "sgd": "momentum_buffer",
+    "adam": "exp_avg",
+    "adamw": "exp_avg",
+    "lion": "exp_avg",
+    "partition": "exp_avg",
+}
 
 
 Inputs = dict[str, Any]
@@ -154,9 +159,13 @@ def _then(*changes: Change) -> Change:
 
 
 def _case(
-    fn: Callable[..., Any], build: Callable[[torch.dtype], Inputs], order: tuple[str, ...],
-    change: Change, z: torch.dtype = F32, **kwargs: Any,
-) -> Callable[[], Call]:  # fmt: skip
+    fn: Callable[..., Any],
+    build: Callable[[torch.dtype], Inputs],
+    order: tuple[str, ...],
+    change: Change,
+    z: torch.dtype = F32,
+    **kwargs: Any,
+) -> Callable[[], Call]:
     def make() -> Call:
         inp = build(z)
         change(inp)
@@ -175,8 +184,8 @@ def _update_rows() -> list[Any]:
     for name in OPTS:
         mom = MOMENT[name]
         st = "state['d']" if name == "partition" else "state"  # how errors name the state
-        c = partial(_case, mpfunc.apply_update_, partial(_update_inputs, name),
-                    ("masters", "grads", "state", "opt"))  # fmt: skip
+        build = partial(_update_inputs, name)
+        c = partial(_case, mpfunc.apply_update_, build, ("masters", "grads", "state", "opt"))
         rows += [
             row(f"{name}-grad-coo", c(_set("grads", lambda i: _coo(W))), TypeError,
                 _at(fn, "grads.z.w", _DENSE, _desc(W, F32, "sparse_coo"))),
@@ -327,8 +336,8 @@ def _cross_label(target: str) -> Call:
     z.w's master, z.w's adamw moment or z.w's grad (a.b is labelled "n", z.w "d")."""
     inp = _update_inputs("partition", F32)
     m, g, s = inp["masters"], inp["grads"], inp["state"]
-    victim = {"master": _get(m, "z.w"), "state": _get(s["d"].exp_avg, "z.w"),
-              "grad": _get(g, "z.w")}[target]  # fmt: skip
+    owner = {"master": m, "state": s["d"].exp_avg, "grad": g}[target]
+    victim = _get(owner, "z.w")
     s["n"] = s["n"]._replace(momentum_buffer=_with(s["n"].momentum_buffer, "a.b", victim[0]))
     return call(mpfunc.apply_update_, m, g, s, inp["opt"])
 

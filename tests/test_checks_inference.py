@@ -51,11 +51,8 @@ def test_an_inference_tensor_in_the_second_group_is_refused_before_any_write(
     else:
         tree = {"masters": masters, "params": params}[where.split(".")[0]]
         tree["c"] = _inference(tree["c"])
-    _refused(
-        ValueError,
-        _at("apply_update_", where, _NOT_IN_PLACE[0]) + ", got " + re.escape(_NOT_IN_PLACE[1]),
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _at("apply_update_", where, _NOT_IN_PLACE[0]) + ", got " + re.escape(_NOT_IN_PLACE[1])
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
     with torch.inference_mode():  # where inference tensors may be written, the step runs
         mpfunc.apply_update_(masters, grads, state, opt, params=params)
     assert all(int(s) == 1 for s in state.step.values())
@@ -69,10 +66,8 @@ def test_a_step_remembered_in_inference_mode_is_checked_again_outside(native: An
     masters["c"] = _inference(masters["c"])
     with torch.inference_mode():
         mpfunc.apply_update_(masters, grads, state, opt, params=params)
-    _refused(
-        ValueError, _at("apply_update_", "masters.c", _NOT_IN_PLACE[0]),
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _at("apply_update_", "masters.c", _NOT_IN_PLACE[0])
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
 
 
 def test_the_pure_step_reads_inference_masters() -> None:
@@ -90,7 +85,5 @@ def test_in_place_twins_refuse_inference_outputs() -> None:
     params = _params()
     out = mpfunc.init_grads(params)
     out["c"] = _inference(out["c"])
-    _refused(
-        ValueError, _at("grads_to_fp32_", "out.c", _NOT_IN_PLACE[0]),
-        mpfunc.grads_to_fp32_, _grads(), out,
-    )  # fmt: skip
+    regex = _at("grads_to_fp32_", "out.c", _NOT_IN_PLACE[0])
+    _refused(ValueError, regex, mpfunc.grads_to_fp32_, _grads(), out)

@@ -28,10 +28,8 @@ def test_all_none_grads_are_an_error_naming_the_likely_causes(fn: str) -> None:
     params, masters, _, state, opt = _setup()
     none = {k: None for k in masters}
     kwargs = {"params": params} if fn == "apply_update_" else {}
-    _refused(
-        ValueError, _NO_GRAD.format(fn=fn), getattr(mpfunc, fn), masters, none, state, opt,
-        **kwargs,
-    )  # fmt: skip
+    regex = _NO_GRAD.format(fn=fn)
+    _refused(ValueError, regex, getattr(mpfunc, fn), masters, none, state, opt, **kwargs)
 
 
 def test_grads_read_from_a_state_dict_are_an_error() -> None:
@@ -44,10 +42,8 @@ def test_grads_read_from_a_state_dict_are_an_error() -> None:
     state = opt.init(masters)
     model(torch.randn(4, 3)).sum().backward()
     grads = {k: p.grad for k, p in params.items()}
-    _refused(
-        ValueError, _NO_GRAD.format(fn="apply_update_").replace(r"\(3\)", r"\(4\)"),
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _NO_GRAD.format(fn="apply_update_").replace(r"\(3\)", r"\(4\)")
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
 
 
 def test_some_none_grads_still_step_the_others() -> None:

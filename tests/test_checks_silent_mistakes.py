@@ -105,9 +105,11 @@ def test_masters_export_into_a_compiled_model() -> None:
     assert set(mpfunc.masters_state_dict(named_compiled, plain)) == set(masters)
     # Masters of another model: every stray key and shape named, in one error.
     other = {"0.weight": torch.zeros(5, 4), "head.bias": torch.zeros(2)}
-    with pytest.raises(ValueError, match=r"got 2 that do not: '0\.weight' \(shape \(5, 4\), "
-                       r"the model's '_orig_mod\.0\.weight' has \(3, 4\)\), 'head\.bias' "
-                       r"\(no such entry\)"):  # fmt: skip
+    strays = (
+        r"got 2 that do not: '0\.weight' \(shape \(5, 4\), the model's '_orig_mod\.0\.weight' "
+        r"has \(3, 4\)\), 'head\.bias' \(no such entry\)"
+    )
+    with pytest.raises(ValueError, match=strays):
         mpfunc.masters_state_dict(other, compiled)
     with pytest.raises(TypeError, match=r"model: expected None or a torch\.nn\.Module"):
         mpfunc.masters_state_dict(masters, compiled.state_dict())  # type: ignore[arg-type]

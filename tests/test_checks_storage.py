@@ -47,14 +47,13 @@ def test_apply_update_refuses_a_freed_storage_before_any_write(where: str) -> No
         _free(getattr(state, field)["c"])
     else:
         _free(tree[where.split(".")[0]]["c"])
-    expected = "a tensor whose storage holds its elements (4 bytes)" if "step" in where else (
-        _FREED if where in ("grads.c", "params.c") else _FREED.replace("80", "160")
-    )  # fmt: skip
+    if "step" in where:
+        expected = "a tensor whose storage holds its elements (4 bytes)"
+    else:
+        expected = _FREED if where in ("grads.c", "params.c") else _FREED.replace("80", "160")
     got = r", got .* whose storage holds 0 bytes\. Its storage was freed \(untyped_storage"
-    _refused(
-        ValueError, _at("apply_update_", where, expected) + got,
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _at("apply_update_", where, expected) + got
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
 
 
 @pytest.mark.parametrize("where", ["grads", "masters", "params", "state"])
@@ -68,10 +67,8 @@ def test_a_remembered_step_still_refuses_a_freed_storage(where: str) -> None:
     tree = {"grads": grads, "masters": masters, "params": params, "state": state.exp_avg}
     _free(tree[where]["c"])
     path = f"{where}.c" if where != "state" else "state.exp_avg.c"
-    _refused(
-        ValueError, _at("apply_update_", path, "a tensor whose storage holds its elements"),
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _at("apply_update_", path, "a tensor whose storage holds its elements")
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
 
 
 def test_a_unit_buffer_and_stats_with_a_freed_storage_are_refused() -> None:
@@ -80,17 +77,14 @@ def test_a_unit_buffer_and_stats_with_a_freed_storage_are_refused() -> None:
     opt = mpfunc.adamw(lr=1e-2)
     state = opt.init(masters)
     _free(masters["c"].compensation)
-    _refused(
-        ValueError, _at("apply_update_", "masters.c", "a tensor whose storage holds"),
-        mpfunc.apply_update_, masters, _grads(), state, opt,
-    )  # fmt: skip
+    regex = _at("apply_update_", "masters.c", "a tensor whose storage holds")
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, _grads(), state, opt)
     params, masters, grads, state, opt = _setup()
     stats = mpfunc.init_stats(masters)
     _free(stats["c"].ratio)
-    _refused(
-        ValueError, _at("apply_update_", "stats.c", "a tensor whose storage holds"),
-        mpfunc.apply_update_, masters, grads, state, opt, params=params, stats=stats,
-    )  # fmt: skip
+    regex = _at("apply_update_", "stats.c", "a tensor whose storage holds")
+    step = (masters, grads, state, opt)
+    _refused(ValueError, regex, mpfunc.apply_update_, *step, params=params, stats=stats)
 
 
 def test_a_freed_view_offset_into_its_storage_is_refused() -> None:
@@ -99,11 +93,9 @@ def test_a_freed_view_offset_into_its_storage_is_refused() -> None:
     flat = torch.zeros(200, dtype=F16)
     grads["c"] = flat[100:140]
     flat.untyped_storage().resize_(240)  # 120 elements: the view's last 20 are gone
-    _refused(
-        ValueError, _at("apply_update_", "grads.c", "a tensor whose storage holds its elements "
-                        "(280 bytes)") + r".* whose storage holds 240 bytes",
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    expected = "a tensor whose storage holds its elements (280 bytes)"
+    regex = _at("apply_update_", "grads.c", expected) + r".* whose storage holds 240 bytes"
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
 
 
 def test_the_transforms_refuse_a_freed_storage(tmp_path: Any) -> None:
@@ -119,22 +111,17 @@ def test_the_transforms_refuse_a_freed_storage(tmp_path: Any) -> None:
     ]:
         _refused(ValueError, _at(fn, "grads.c", _FREED), call)
     _refused(ValueError, _at("all_finite", "tree.c", _FREED), mpfunc.all_finite, grads)
-    _refused(
-        ValueError, _at("masters_to_model_", "params.c", _FREED),
-        mpfunc.masters_to_model_, masters, {**params, "c": _free(params["c"].clone())},
-    )  # fmt: skip
+    freed = {**params, "c": _free(params["c"].clone())}
+    regex = _at("masters_to_model_", "params.c", _FREED)
+    _refused(ValueError, regex, mpfunc.masters_to_model_, masters, freed)
     _refused(ValueError, _at("save", "c", _FREED), mpfunc.save, tmp_path / "c.pt", grads)
     assert list(tmp_path.iterdir()) == []
     good = _grads()
     mpfunc.save(tmp_path / "g.pt", good)
-    _refused(
-        ValueError, r"^load_: .*'c': expected " + re.escape(_FREED), mpfunc.load_,
-        tmp_path / "g.pt", grads,
-    )  # fmt: skip
-    _refused(
-        ValueError, _at("load_state_dict", "c", _FREED),
-        mpfunc.load_state_dict, good, mpfunc.state_dict(grads),
-    )  # fmt: skip
+    regex = r"^load_: .*'c': expected " + re.escape(_FREED)
+    _refused(ValueError, regex, mpfunc.load_, tmp_path / "g.pt", grads)
+    regex = _at("load_state_dict", "c", _FREED)
+    _refused(ValueError, regex, mpfunc.load_state_dict, good, mpfunc.state_dict(grads))
 
 
 def test_checks_name_the_leaf_with_units() -> None:

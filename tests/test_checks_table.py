@@ -285,16 +285,25 @@ def _transform_rows() -> Iterator[Any]:
         ("grads_to_fp32", mpfunc.grads_to_fp32, "grads"),
     ):
         for dtype in (torch.float16, torch.bfloat16, torch.int64):
-            yield row(f"{fn}-dtype-{str(dtype)[6:]}",
-                      lambda f=f, kind=kind, dtype=dtype: call(f, _tree(kind), dtype=dtype),
-                      ValueError, rf"^{fn}: dtype: expected torch\.float32 or torch\.float64 "
-                      rf"\(.*\), got {re.escape(str(dtype))}$")  # fmt: skip
-        yield row(f"{fn}-dtype-str",
-                  lambda f=f, kind=kind: call(f, _tree(kind), dtype="float32"), TypeError,
-                  rf"^{fn}: dtype: expected a torch\.dtype, got str$")  # fmt: skip
-    yield row("init_master-params-not-tensor",
-              lambda: call(mpfunc.init_master, _tree("params", {BAD: 0.5})), TypeError,
-              at("init_master", f"params.{BAD}", "a tensor or None leaf", "float 0.5"))  # fmt: skip
+            yield row(
+                f"{fn}-dtype-{str(dtype)[6:]}",
+                lambda f=f, kind=kind, dtype=dtype: call(f, _tree(kind), dtype=dtype),
+                ValueError,
+                rf"^{fn}: dtype: expected torch\.float32 or torch\.float64 "
+                rf"\(.*\), got {re.escape(str(dtype))}$",
+            )
+        yield row(
+            f"{fn}-dtype-str",
+            lambda f=f, kind=kind: call(f, _tree(kind), dtype="float32"),
+            TypeError,
+            rf"^{fn}: dtype: expected a torch\.dtype, got str$",
+        )
+    yield row(
+        "init_master-params-not-tensor",
+        lambda: call(mpfunc.init_master, _tree("params", {BAD: 0.5})),
+        TypeError,
+        at("init_master", f"params.{BAD}", "a tensor or None leaf", "float 0.5"),
+    )
 
     g, o = f"grads.{BAD}", f"out.{BAD}"
     for fn, f in (
@@ -378,6 +387,7 @@ def _factory_rows() -> Iterator[Any]:
     """sgd, adam, adamw and torch_optimizer reject bad hyperparameters when built."""
     nonneg = r"expected a finite float >= 0, got "
     lr_tensor = r"lr: expected a float or a 0-d floating-point tensor, got "
+    int_0d = re.escape(desc(torch.int64, ()))
     for fn, f in (("sgd", mpfunc.sgd), ("adam", mpfunc.adam), ("adamw", mpfunc.adamw)):
         yield from [
             bad(fn, f, ValueError, r"lr: " + nonneg + r"-0\.1$", lr=-0.1),
@@ -386,23 +396,23 @@ def _factory_rows() -> Iterator[Any]:
             bad(fn, f, TypeError, r"lr: expected a float >= 0, got bool$", lr=True),
             bad(fn, f, TypeError, r"lr: expected a float >= 0, got str$", lr="0.1"),
             bad(fn, f, TypeError, lr_tensor + re.escape(desc(F32, (1,))), lr=new((1,))),
-            bad(fn, f, TypeError, lr_tensor + re.escape(desc(torch.int64, ())),
-                lr=new((), torch.int64)),
+            bad(fn, f, TypeError, lr_tensor + int_0d, lr=new((), torch.int64)),
             bad(fn, f, ValueError, r"weight_decay: " + nonneg + r"-0\.01$", weight_decay=-0.01),
             bad(fn, f, ValueError, r"impl: expected one of auto, .*, got 'cuda'$", impl="cuda"),
-        ]  # fmt: skip
+        ]
     nesterov = r"nesterov: expected momentum > 0 and dampening == 0, got "
+    impls = r"impl: expected one of auto, foreach, reference, xla, got "
+    damped = {"momentum": 0.9, "dampening": 0.1}
+    sgd = partial(bad, "sgd", mpfunc.sgd)
     yield from [
-        bad("sgd", mpfunc.sgd, ValueError, r"momentum: " + nonneg + r"-0\.9$", momentum=-0.9),
-        bad("sgd", mpfunc.sgd, ValueError, r"dampening: " + nonneg + r"-0\.1$", dampening=-0.1),
-        bad("sgd", mpfunc.sgd, ValueError, nesterov + r"momentum=0\.0, dampening=0\.0$",
-            nesterov=True),
-        bad("sgd", mpfunc.sgd, ValueError, nesterov + r"momentum=0\.9, dampening=0\.1$",
-            nesterov=True, momentum=0.9, dampening=0.1),
-        bad("sgd", mpfunc.sgd, ValueError,
-            r"impl: expected one of auto, foreach, reference, xla, got 'fused'$", impl="fused"),
-    ]  # fmt: skip
+        sgd(ValueError, r"momentum: " + nonneg + r"-0\.9$", momentum=-0.9),
+        sgd(ValueError, r"dampening: " + nonneg + r"-0\.1$", dampening=-0.1),
+        sgd(ValueError, nesterov + r"momentum=0\.0, dampening=0\.0$", nesterov=True),
+        sgd(ValueError, nesterov + r"momentum=0\.9, dampening=0\.1$", nesterov=True, **damped),
+        sgd(ValueError, impls + r"'fused'$", impl="fused"),
+    ]
     unit = r"expected a float in \[0, 1\), got "
+    pair = r"betas: expected a pair of floats, got "
     for fn, f in (("adam", mpfunc.adam), ("adamw", mpfunc.adamw)):
         yield from [
             bad(fn, f, ValueError, r"betas\[0\]: " + unit + r"1\.0$", betas=(1.0, 0.999)),
@@ -410,10 +420,9 @@ def _factory_rows() -> Iterator[Any]:
             bad(fn, f, ValueError, r"betas\[1\]: " + unit + r"1\.0$", betas=(0.9, 1.0)),
             bad(fn, f, ValueError, r"betas\[1\]: " + unit + r"-0\.1$", betas=(0.9, -0.1)),
             bad(fn, f, ValueError, r"betas\[1\]: " + unit + r"nan$", betas=(0.9, math.nan)),
-            bad(fn, f, TypeError, r"betas: expected a pair of floats, got \(0\.9,\)$",
-                betas=(0.9,)),
+            bad(fn, f, TypeError, pair + r"\(0\.9,\)$", betas=(0.9,)),
             bad(fn, f, ValueError, r"eps: " + nonneg + r"-1e-08$", eps=-1e-8),
-        ]  # fmt: skip
+        ]
     # torch_optimizer's cls is positional-only.
     subclass = r"cls: expected a torch\.optim\.Optimizer subclass, got 'adamw'$"
     yield bad(
@@ -550,8 +559,8 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
 
 def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
     """optree walks ``optree.MAX_RECURSION_DEPTH`` (1000) levels, and mpfunc's own
-    containers (a partition's state, a pure update's copy, a checkpoint's dict) add one or
-    two: a user tree of depth 1000 used to end in a bare ``RecursionError``. Now a
+    containers (a pure update's copy of a partition's state, a checkpoint's dict) add one
+    or two: a user tree of depth 1000 used to end in a bare ``RecursionError``. Now a
     ``ValueError`` that names the limit and the fix, raised before anything is written."""
     import optree
 
@@ -567,8 +576,9 @@ def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
         rf"expected a tree nested at most {limit} levels deep \(optree's limit; mpfunc's own "
         r"containers.* add a level or two to yours\), got a deeper one"
     )
+    deeper = _deep(limit + 1, torch.ones(3))
     calls: list[Callable[[], Any]] = [
-        lambda: mpfunc.apply_update_(masters, grads, state, opt, params=params),
+        lambda: mpfunc.apply_update_(masters, deeper, state, opt, params=params),
         lambda: mpfunc.apply_update(masters, grads, state, mpfunc.adamw(lr=1e-3)),
         lambda: mpfunc.state_dict({"masters": masters, "state": state}),
         lambda: mpfunc.init_master(_deep(limit + 1, torch.ones(3))),
@@ -577,3 +587,9 @@ def test_a_tree_too_deep_is_a_value_error_naming_the_limit() -> None:
         with pytest.raises(ValueError, match=match):
             call_()
         assert_unchanged(snap)
+    # A partition's state holds each sub-state a level down, but a step walks each
+    # sub-state's fields alone: trees at the limit step.
+    master = _leaves(masters)[0]
+    before = master.clone()
+    mpfunc.apply_update_(masters, grads, state, opt, params=params)
+    assert not torch.equal(master, before)

@@ -199,8 +199,8 @@ LABELS = "['decay', 'no_decay']"
 
 def _labels(changes: dict[str, Any] | None = None) -> Any:
     """The label tree: no_decay for biases and norms, decay for weights."""
-    flat = {p: "no_decay" if p.endswith("bias") or p.startswith("norm") else "decay"
-            for p in LAYOUT}  # fmt: skip
+    undecayed = [p for p in LAYOUT if p.endswith("bias") or p.startswith("norm")]
+    flat = {p: "no_decay" if p in undecayed else "decay" for p in LAYOUT}
     return nest(flat, changes)
 
 

@@ -23,6 +23,8 @@ import mpfunc
 from tests.support.helpers import assert_bits_equal, assert_trees_bits_equal
 from tests.support.native import native_module
 
+_UPDATABLE = "a tensor that can be updated in place"
+
 
 @pytest.fixture(scope="module")
 def native() -> Any:
@@ -99,27 +101,18 @@ def test_a_negative_or_conjugate_view_to_write_is_refused(native: Any) -> None:
     before any write (torch's kernels refused it partway, the native one stored raw bits)."""
     params, masters, grads, state, opt = _setup()
     masters["c"] = torch._neg_view(masters["c"])
-    _refused(
-        ValueError, _at("apply_update_", "masters.c", "a tensor that can be updated in place")
-        + ", got a negative view",
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _at("apply_update_", "masters.c", _UPDATABLE) + ", got a negative view"
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
     params, masters, grads, state, opt = _setup()
     state.exp_avg["c"] = torch._neg_view(state.exp_avg["c"])
-    _refused(
-        ValueError, _at("apply_update_", "state.exp_avg.c", "a tensor that can be updated"),
-        mpfunc.apply_update_, masters, grads, state, opt, params=params,
-    )  # fmt: skip
+    regex = _at("apply_update_", "state.exp_avg.c", "a tensor that can be updated")
+    _refused(ValueError, regex, mpfunc.apply_update_, masters, grads, state, opt, params=params)
     out = mpfunc.init_grads(_params())
     out["c"] = torch._neg_view(out["c"])
-    _refused(
-        ValueError, _at("grads_to_fp32_", "out.c", "a tensor that can be updated in place"),
-        mpfunc.grads_to_fp32_, _grads(), out,
-    )  # fmt: skip
+    regex = _at("grads_to_fp32_", "out.c", _UPDATABLE)
+    _refused(ValueError, regex, mpfunc.grads_to_fp32_, _grads(), out)
     z = torch.complex(torch.randn(40), torch.randn(40)).conj()
     assert z.is_conj()
     params, masters, grads, state, opt = _setup()
-    _refused(
-        TypeError, _at("apply_update_", "grads.c", "a floating-point grad"),
-        mpfunc.apply_update_, masters, {**grads, "c": z}, state, opt,
-    )  # fmt: skip
+    regex = _at("apply_update_", "grads.c", "a floating-point grad")
+    _refused(TypeError, regex, mpfunc.apply_update_, masters, {**grads, "c": z}, state, opt)

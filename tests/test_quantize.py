@@ -476,8 +476,9 @@ def test_adam_demo_matches_the_reference_kernel() -> None:
         p_ref, m_ref, v_ref = p.clone(), Q.dequantize(m_q), Q.dequantize(v_q)
         s_ref = step.clone()
         _reference_step([p_ref], [grad], [m_ref], [v_ref], [s_ref], 1e-3, 0.1, decoupled)
-        Q.adam_step_quantized_(p, grad, m_q, v_q, step, 1e-3, (0.9, 0.999), 1e-8, 0.1,
-                               decoupled=decoupled)  # fmt: skip
+        Q.adam_step_quantized_(
+            p, grad, m_q, v_q, step, 1e-3, (0.9, 0.999), 1e-8, 0.1, decoupled=decoupled
+        )
         assert_bits_equal(p, p_ref)
         assert float(step) == 5.0
         for q, ref, signed in ((m_q, m_ref, True), (v_q, v_ref, False)):
@@ -504,8 +505,10 @@ def _quadratic_run(
     counts = [torch.zeros((), device=device) for _ in shapes]
     rng = torch.Generator().manual_seed(9)
     for k in range(steps):
-        grads = [ai * (x - ci) + 0.3 * ai.sqrt() * n.to(device)
-                 for ai, x, ci, n in zip(a, xs, c, noise[k])]  # fmt: skip
+        grads = [
+            ai * (x - ci) + 0.3 * ai.sqrt() * n.to(device)
+            for ai, x, ci, n in zip(a, xs, c, noise[k])
+        ]
         if not quantized:
             _reference_step(xs, grads, ms, vs, counts, 0.02)
             sync(device)  # one graph per step on XLA, not one graph of every step
@@ -574,8 +577,9 @@ def test_xla_step_is_one_stable_graph(xla_device: torch.device) -> None:
 
     def step(k: int) -> None:
         for i in range(len(shapes)):
-            Q.adam_step_quantized_(ps[i], grads[k][i], mq[i], vq[i], steps[i], lr,
-                                   weight_decay=0.01)  # fmt: skip
+            Q.adam_step_quantized_(
+                ps[i], grads[k][i], mq[i], vq[i], steps[i], lr, weight_decay=0.01
+            )
         lr.fill_(1e-3 * 0.9**k)
         torch_xla.sync()
         xm.wait_device_ops()

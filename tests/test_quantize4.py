@@ -293,9 +293,12 @@ def test_layouts_read_logical_order(device: torch.device) -> None:
     base = torch.randn(40, 6, generator=g)
     nchw = torch.randn(2, 3, 4, 5, generator=g)
     views = [
-        base.t(), base[::2], base[:, 1:4], torch.randn(6, generator=g).expand(8, 6),
+        base.t(),
+        base[::2],
+        base[:, 1:4],
+        torch.randn(6, generator=g).expand(8, 6),
         nchw.contiguous(memory_format=torch.channels_last),
-    ]  # fmt: skip
+    ]
     for x in views:
         x = x.to(device)
         for signed in (True, False):

@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.helpers import assert_bits_equal
+from support.hardening import _alias
+from support.helpers import assert_bits_equal, assert_unchanged, snapshot
 
 import mpfunc
 from mpfunc.transforms import _step_in_backward
@@ -341,6 +342,26 @@ def test_dynamic_loss_scale_is_refused_up_front() -> None:
             params, masters, opt.init(masters), opt, scale=mpfunc.DynamicLossScale()
         )
     assert all(not p._post_accumulate_grad_hooks for p in params)
+
+
+@pytest.mark.parametrize("strategy", ["fp32", "kahan"])
+def test_aliasing_across_leaves_is_refused_up_front(strategy: str) -> None:
+    """Each leaf steps alone, so no step's memory check sees two leaves: a moment of leaf
+    ``b`` sharing leaf ``a``'s param (written by the step: the "fp32" master's param, or
+    the param a "kahan" unit holds) is refused when the hooks are made, naming both
+    paths, with no hook left and nothing written."""
+    params = {k: torch.randn(4, 8).bfloat16().requires_grad_() for k in "ab"}
+    masters = mpfunc.init_master(params, strategy=strategy)
+    opt = mpfunc.adamw(lr=1e-2, state_dtype=torch.bfloat16)
+    state = opt.init(masters)
+    state = state._replace(exp_avg={**state.exp_avg, "b": params["a"].detach()})
+    owner = "params.a" if strategy == "fp32" else "masters.a"
+    trees = {"params": params, "masters": masters, "state": state}
+    snap = snapshot(trees)
+    with pytest.raises(ValueError, match=_alias("step_in_backward", owner, "state.exp_avg.b")):
+        mpfunc.step_in_backward(params, masters, state, opt)
+    assert all(not p._post_accumulate_grad_hooks for p in params.values())
+    assert_unchanged(trees, snap)
 
 
 def test_grad_scaler_is_refused() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -333,17 +334,16 @@ def _compute_dtype(face: torch.Tensor, fp32_kind: bool) -> torch.dtype:
 
 
 def _flat_fields(
-    fn: str, rule: Rule, hyper: Any, step: Step, state: Any
+    fn: str, rule: Rule, kinds: Mapping[str, str], step: Step, state: Any
 ) -> dict[str, tuple[list[Any], Any]]:
-    """Each field the hyperparameters use, flattened once with units (8-bit moments) as
-    leaves: ``(leaves, spec)``. The state's type and its unused fields (``None``) are
-    checked here; the used fields by ``_state_fields``."""
+    """Each field the hyperparameters use (``kinds``: ``rule.fields(hyper)``), flattened
+    once with units (8-bit moments) as leaves: ``(leaves, spec)``. The state's type and
+    its unused fields (``None``) are checked here; the used fields by ``_state_fields``."""
     if not isinstance(state, rule.state_type):
         raise TypeError(
             f"{fn}: {step.state_name}: expected the {rule.state_type.__name__} made by "
             f"{rule.name}(...).init(masters), got {_checks.describe(state)}"
         )
-    kinds = rule.fields(hyper)
     out: dict[str, tuple[list[Any], Any]] = {}
     for name in rule.state_type._fields:  # type: ignore[attr-defined]
         value = getattr(state, name)
@@ -360,20 +360,17 @@ def _flat_fields(
 
 def _state_fields(
     fn: str,
-    rule: Rule,
-    hyper: Any,
+    kinds: Mapping[str, str],
     step: Step,
     state: Any,
     state_dtype: torch.dtype | None,
     flat: dict[str, tuple[list[Any], Any]],
-) -> dict[str, list[Any]]:
-    """Each used field's leaves (``flat``, from ``_flat_fields``), checked against the
+) -> None:
+    """Checks each used field's leaves (``flat``, from ``_flat_fields``) against the
     masters."""
-    kinds = rule.fields(hyper)
     faces = step.faces if step.faces is not None else step.masters.leaves
     fp32 = step.kinds if step.kinds is not None else [None] * len(faces)
     ref = Side(step.masters.name, step.masters.tree, faces, units=True)
-    out: dict[str, list[Any]] = {}
     for name, (leaves, spec) in flat.items():
         value = getattr(state, name)
         kind = kinds[name]
@@ -402,8 +399,8 @@ def _state_fields(
             for i, (f, x) in enumerate(zip(faces, leaves)):
                 if f is None:
                     if x is not None:
-                        _checks.fail(ValueError, fn, side.path(i), "None (this leaf has no master)",
-                                     _checks.describe(x))  # fmt: skip
+                        none = "None (this leaf has no master)"
+                        _checks.fail(ValueError, fn, side.path(i), none, _checks.describe(x))
                     continue
                 if x is None:
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
@@ -416,28 +413,6 @@ def _state_fields(
                 why = problem(kind, x, f, want)
                 if why is not None:
                     _checks.fail(why[0], fn, side.path(i), why[1], why[2], _HINT)
-        out[name] = leaves
-    return out
-
-
-def tensor_sides(side: Side) -> list[Side]:
-    """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
-    one per unit field, each keeping the unit's path."""
-    leaves = side.leaves
-    units = [len(x) for x in leaves if isinstance(x, tuple)]
-    width = max([0, *units])
-    if width == 0:
-        return [side]
-    if len(units) == len(leaves) and min(units) == width:  # every leaf a unit of one width
-        return [side._replace(leaves=list(column)) for column in zip(*leaves)]
-    out = []
-    for j in range(width):
-        leaves = [
-            (x[j] if j < len(x) else None) if isinstance(x, tuple) else (x if j == 0 else None)
-            for x in side.leaves
-        ]
-        out.append(side._replace(leaves=leaves))
-    return out
 
 
 class Mixed(NamedTuple):
@@ -521,8 +496,8 @@ def _run_mixed(mx: Mixed, hyper: Any) -> None:
     mx.kernel(Group(values, grads, group_state, mx.lr, mx.skip), hyper)
     for name, kind in mx.kinds.items():
         if kind != "step":
-            _state_format.store(mx.fields[name], state[name], kind, mx.skip,
-                                mx.fields.get("step"), mx.salts)  # fmt: skip
+            steps = mx.fields.get("step")
+            _state_format.store(mx.fields[name], state[name], kind, mx.skip, steps, mx.salts)
     mx.strategy.store(mx.masters, values, mx.skip)
     if mx.model is not None:
         rounded = [v.to(p.dtype) for p, v in zip(mx.model, values)]
@@ -537,13 +512,13 @@ def _plan_elementwise(
     fn: str,
     rule: Rule,
     hyper: Any,
+    kinds_of: Mapping[str, str],
     impl: str,
     lr: LRArg,
     state_dtype: torch.dtype | None,
     step: Step,
     state: Any,
 ) -> list[Work]:
-    kinds_of = rule.fields(hyper)
     # A repeated step (step.memo: its checked inputs are identical to a past call's) with a
     # state of identical structure and leaf metadata: the checks below passed and the
     # per-leaf decisions were these groups. Only index lists and kernel names are kept.
@@ -554,7 +529,7 @@ def _plan_elementwise(
     parts: list[Any] = []
     # Each field flattened once, units (8-bit moments) as leaves: what the kernels take,
     # and optree's cheap walk (it opens a NamedTuple node for ~3 us, 100,000 of them a field).
-    flat = _flat_fields(fn, rule, hyper, step, state)
+    flat = _flat_fields(fn, rule, kinds_of, step, state)
     fields = {name: leaves for name, (leaves, _) in flat.items()}
     if step.memo is not None:
         # The key: each field's spec, the type of each leaf (a unit's class: the spec
@@ -573,19 +548,16 @@ def _plan_elementwise(
             except TypeError:  # an unhashable hyperparameter: plan in full
                 memo_key = groups = None
     if groups is None:
-        _state_fields(fn, rule, hyper, step, state, state_dtype, flat)
+        _state_fields(fn, kinds_of, step, state, state_dtype, flat)
     moments = [f for name, f in fields.items() if name != "step"]
-    if groups is None:
+    if step.sweep is not None:
+        # The state's storage, writability and aliasing (with everything the step writes
+        # and reads) are checked once for the whole call, after every plan (Sweep.run).
         sides = [
-            t
+            Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True)
             for n, f in fields.items()
-            for t in tensor_sides(Side(f"{step.state_name}.{n}", getattr(state, n), f, units=True))
         ]
-        written = tensor_sides(step.masters)
-        if step.model is not None:
-            written.append(step.model.where_present(step.masters.leaves))
-        # check_storage and check_writable of the state, then no alias among all of it.
-        _checks.check_memory(fn, sides, written, [step.grads])
+        step.sweep.add(sides, checked=groups is None)
     masters, grads = step.masters.leaves, step.grads.leaves
     faces = step.faces if step.faces is not None else masters
     strategies = step.kinds if step.kinds is not None else [None] * len(masters)
@@ -602,8 +574,8 @@ def _plan_elementwise(
         )
     if groups is None:
         groups = _decide(fn, rule, hyper, impl, step, moments, model)
-        if memo_key is not None:
-            step.memo.put(memo_key, groups, parts)
+        if memo_key is not None and step.sweep is not None:
+            step.sweep.keep(partial(step.memo.put, memo_key, groups, parts))
     steps = fields.get("step")
     cache: dict[Any, Any] = {}
     work: list[Work] = []
@@ -845,7 +817,7 @@ def elementwise(
         return rule.state_type(**state)
 
     def plan(step: Step, state: Any, fn: str) -> list[Work]:
-        return _plan_elementwise(fn, rule, hyper, impl, lr, state_dtype, step, state)
+        return _plan_elementwise(fn, rule, hyper, kinds, impl, lr, state_dtype, step, state)
 
     return Optimizer(init=init, plan=plan, functional=True, name=rule.name)
 

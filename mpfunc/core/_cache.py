@@ -21,8 +21,10 @@ __all__ = [
     "clear_memo",
     "dense_key",
     "leaf_keys",
+    "memo_candidate",
     "memo_enabled",
     "memo_entry",
+    "memo_keep",
     "memo_off",
     "memo_passed",
     "memoizable_part",
@@ -238,15 +240,29 @@ def memo_entry(tag: Hashable, keys: tuple[Any, ...]) -> tuple[Hashable | None, M
     return key, entry
 
 
-def memo_passed(key: Hashable | None, parts: Sequence[Any]) -> MemoEntry | None:
-    """After a full check of ``key``'s call passed: its new entry (``None`` if a leaf may
-    not be remembered). ``parts``: the leaf keys of every tree in ``key``."""
+def memo_candidate(key: Hashable | None, parts: Sequence[Any]) -> MemoEntry | None:
+    """A new entry for ``key``'s call, not yet remembered (``memo_keep``, once every check
+    of the call passed); ``None`` if a leaf may not be remembered. ``parts``: the leaf keys
+    of every tree in ``key``."""
     if key is None or not all(map(memoizable_part, parts)):
         return None
-    entry = MemoEntry()
+    return MemoEntry()
+
+
+def memo_keep(key: Hashable, entry: MemoEntry) -> None:
+    """Remembers ``entry`` (from ``memo_candidate``) as ``key``'s: its checks passed."""
     with _memo_lock:
         _entries.pop(key, None)
         _entries[key] = entry
         while len(_entries) > _MEMO_SIZE:
             _entries.popitem(last=False)
+
+
+def memo_passed(key: Hashable | None, parts: Sequence[Any]) -> MemoEntry | None:
+    """After a full check of ``key``'s call passed: its new entry, remembered (``None`` if
+    a leaf may not be remembered). ``parts``: the leaf keys of every tree in ``key``."""
+    entry = memo_candidate(key, parts)
+    if entry is not None:
+        assert key is not None
+        memo_keep(key, entry)
     return entry

@@ -33,6 +33,7 @@ __all__ = [
     "Like",
     "Memo",
     "Side",
+    "Sweep",
     "check_dense",
     "check_leaf_dtypes",
     "check_memory",
@@ -53,6 +54,7 @@ __all__ = [
     "recall",
     "storage_problem",
     "tensor_leaves",
+    "tensor_sides",
     "zero_d_bool",
 ]
 
@@ -309,6 +311,26 @@ class Side(NamedTuple):
     def path(self, i: int) -> str:
         # One walk of the tree, on the error path only: linear in the number of leaves.
         return _tree.leaf_paths(self.tree, self.name, units=self.units)[i]
+
+
+def tensor_sides(side: Side) -> list[Side]:
+    """A side whose leaves may be units (NamedTuples of tensors) as sides of tensors only:
+    one per unit field, each keeping the unit's path."""
+    leaves = side.leaves
+    units = [len(x) for x in leaves if isinstance(x, tuple)]
+    width = max([0, *units])
+    if width == 0:
+        return [side]
+    if len(units) == len(leaves) and min(units) == width:  # every leaf a unit of one width
+        return [side._replace(leaves=list(column)) for column in zip(*leaves)]
+    out = []
+    for j in range(width):
+        leaves = [
+            (x[j] if j < len(x) else None) if isinstance(x, tuple) else (x if j == 0 else None)
+            for x in side.leaves
+        ]
+        out.append(side._replace(leaves=leaves))
+    return out
 
 
 def tensor_leaves(
@@ -789,6 +811,51 @@ def check_memory(
             check_storage(fn, side)
         check_writable(fn, fresh, in_place=in_place)
         check_no_alias(fn, written=[*written, *fresh], read=read)
+
+
+class Sweep:
+    """A step's one memory check, made after every plan and before any kernel runs.
+
+    ``apply_update_`` names what the step writes and reads (``written``: the masters, units
+    as leaves, and the params it rounds into; ``read``: the grads), and each plan adds the
+    state it will write (``add``), after checking that state's structure, dtypes and
+    shapes. ``run`` then checks each state tensor's storage and writability and, over all
+    of the step's tensors at once, that no two share memory where one is written
+    (``check_memory``): one alias sweep per call, wherever a partition's labels or
+    a state's fields put the two names. It runs only when some check of the call ran in
+    full (``full``: a memo miss); what the call's checks would remember (``keep``) is
+    remembered only after it passed, so a remembered step or plan always stands for
+    inputs that passed this check too.
+    """
+
+    __slots__ = ("full", "kept", "read", "state", "written")
+
+    def __init__(self, written: list[Side], read: list[Side], *, full: bool) -> None:
+        self.written = written
+        self.read = read
+        self.state: list[Side] = []
+        self.full = full
+        self.kept: list[Callable[[], None]] = []
+
+    def add(self, state: Sequence[Side], *, checked: bool) -> None:
+        """The state one plan writes (each field a side, units as leaves); ``checked``:
+        the plan checked it in full (not remembered from an identical past call)."""
+        self.state.extend(state)
+        self.full = self.full or checked
+
+    def keep(self, remember: Callable[[], None]) -> None:
+        """Calls ``remember`` (a memo record of checks that passed) once ``run`` passed."""
+        self.kept.append(remember)
+
+    def run(self, fn: str) -> None:
+        """The check, if any check of the call ran in full; then what was kept."""
+        if self.full:
+            fresh = [t for side in self.state for t in tensor_sides(side)]
+            written = [t for side in self.written for t in tensor_sides(side)]
+            check_memory(fn, fresh, written, self.read)
+        for remember in self.kept:
+            remember()
+        self.kept.clear()
 
 
 def _memory_common(fresh: Sequence[Side], others: Sequence[Side], in_place: bool) -> bool:

@@ -8,16 +8,15 @@ memory addresses, torch's fused optimizer kernels, pausing the garbage collector
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["compiling", "func_transform_active"]
 
-
-def compiling() -> bool:
-    """True while dynamo traces the caller (a constant in the traced code), else False."""
-    compiler = getattr(torch, "compiler", None)
-    is_compiling = getattr(compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
+# True while dynamo traces the caller (a constant in the traced code), else False. torch's
+# own function (torch >= 2.3), not a wrapper: it is asked a few times per call per module.
+compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
 def func_transform_active() -> bool:

@@ -4,7 +4,7 @@ An optimizer is a pair of functions, in the spirit of optax: ``init`` builds a
 state tree from the masters, and ``plan`` checks a state against one step's
 inputs and returns the kernel calls that will write the step, without writing
 anything. ``apply_update``/``apply_update_`` run the pipeline
-check -> plan -> run (see ``_apply_update``).
+check -> plan -> memory check -> run (see ``_apply_update``).
 
 Most optimizers are elementwise: they are a ``Rule`` (a state NamedTuple, the
 fields a given set of hyperparameters uses, and one kernel per implementation),
@@ -27,9 +27,18 @@ from typing import Any, NamedTuple, NoReturn, Union
 import torch
 from optree import PyTreeSpec
 
-from mpfunc.core._checks import LR, Side
+from mpfunc.core._checks import LR, Side, Sweep
 
-__all__ = ["Group", "Kernel", "Optimizer", "Rule", "Step", "TensorList", "Work", "unless_skipped"]
+__all__ = [
+    "Group",
+    "Kernel",
+    "Optimizer",
+    "Rule",
+    "Step",
+    "TensorList",
+    "Work",
+    "unless_skipped",
+]
 
 # What torch's foreach ops take and return.
 TensorList = Union[list[torch.Tensor], tuple[torch.Tensor, ...]]
@@ -58,8 +67,11 @@ class Step(NamedTuple):
     scale: torch.Tensor | None = None
     stats: list[Any] | None = None
     # The memo entry of these checked inputs (``_cache.MemoEntry``), where the plan may
-    # remember its per-leaf decisions; ``None``: plan in full.
+    # remember its per-leaf decisions (through ``sweep.keep``); ``None``: plan in full.
     memo: Any = None
+    # The step's one memory check (``Sweep``), to which each plan adds its state: ``None``
+    # only for steps that write nothing but fresh copies (the pure ``apply_update``).
+    sweep: Sweep | None = None
 
     def only(self, keep: list[bool], state_name: str) -> Step:
         """The same step over the leaves where ``keep`` is true (others become ``None``):
@@ -82,6 +94,7 @@ class Step(NamedTuple):
             stats=maybe(self.stats),
             # A sub-plan remembers its decisions under this cut of the leaves.
             memo=None if self.memo is None else self.memo.child((state_name, tuple(keep))),
+            # (sweep: the same object, so every sub-plan's state joins the one check.)
         )
 
 
@@ -143,10 +156,11 @@ class Optimizer(NamedTuple):
     """An optimizer over master trees: ``init(masters) -> state`` and ``plan``.
 
     ``plan(step, state, fn)`` checks ``state`` against the step (errors name ``fn``, the
-    caller) and returns the kernel calls, writing nothing. Leaves whose grad is ``None``
-    are skipped, as torch.optim skips parameters without ``.grad``. Build one with
-    ``mpfunc.sgd``, ``adam``, ``adamw``, ``lion``, ``partition`` or ``torch_optimizer``;
-    call it through ``apply_update``/``apply_update_``.
+    caller), adds the state tensors it will write to ``step.sweep`` (the step's one
+    memory check, run after every plan) and returns the kernel calls, writing nothing.
+    Leaves whose grad is ``None`` are skipped, as torch.optim skips parameters without
+    ``.grad``. Build one with ``mpfunc.sgd``, ``adam``, ``adamw``, ``lion``, ``partition``
+    or ``torch_optimizer``; call it through ``apply_update``/``apply_update_``.
 
     It is not a ``torch.optim.Optimizer``: ``opt.step()``, ``opt.param_groups`` and the
     other torch.optim attributes raise an ``AttributeError`` that points to

@@ -90,7 +90,7 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
             raise TypeError(
                 f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "
                 f"{_checks.describe(step.skip)}: torch.optim optimizers step unconditionally; a "
-                "device-side skip needs an mpfunc optimizer (mpfunc.sgd/adam/adamw/lion)"
+                "device-side skip needs an mpfunc optimizer (such as mpfunc.adamw(...))"
             )
         group = Group([m for m, _ in pairs], [g for _, g in pairs], state, 0.0, None)
         return [Work(_lend_grads_and_step, group, None)]

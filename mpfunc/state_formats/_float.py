@@ -4,7 +4,8 @@
 A moment is a tensor of the stored dtype in its master's shape and layout; a step loads
 a chunk of them into fp32 temporaries (or lends them as they are where they already are
 the compute dtype) and stores them back rounded to nearest even (``Tensor.to``). Another
-float dtype is one line: ``format_of(dtype, native_code)`` in ``_state_format``'s list.
+float dtype is one line: ``format_of(dtype, native=None)`` in ``_state_format``'s list
+(the foreach path on every device until the native pass and the XLA node serve it).
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def _layout(x: Any, face: torch.Tensor) -> torch.Tensor:
     return x  # type: ignore[no-any-return]
 
 
-def format_of(dtype: torch.dtype, native: int | None, xla: bool = True) -> StateFormat:
+def format_of(dtype: torch.dtype, native: int | None, xla: bool = False) -> StateFormat:
     """The format of moments stored as ``dtype`` tensors (``native``: the composed CPU
-    pass's code for it, ``None`` where that pass does not take it)."""
+    pass's code for it, ``None`` where that pass does not take it; ``xla``: whether the
+    XLA node widens and narrows it, ``_xla_kernels._MOMENT_DTYPES``)."""
     return StateFormat(
         name=str(dtype).removeprefix("torch."),
         key=dtype,

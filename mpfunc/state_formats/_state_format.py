@@ -55,8 +55,8 @@ __all__ = [
 FORMATS: dict[torch.dtype, StateFormat] = {
     f.key: f
     for f in (
-        _float.format_of(torch.float32, native=0),
-        _float.format_of(torch.bfloat16, native=1),
+        _float.format_of(torch.float32, native=0, xla=True),
+        _float.format_of(torch.bfloat16, native=1, xla=True),
         _uint8.FORMAT,
         _uint4.FORMAT,
     )

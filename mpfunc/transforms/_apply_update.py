@@ -3,21 +3,27 @@
 The whole step is one sequence, readable top to bottom:
 
 1. **check** the masters against the grads (``_check``): structure, dtypes, shapes,
-   devices, layouts, aliasing, ``skip``;
-2. **plan** (``opt.plan``): the optimizer checks its state and returns its kernel
-   calls, grouped by device, dtype and implementation (``_plan``);
-3. **run** every kernel call.
+   devices, layouts, ``skip``;
+2. **plan** (``opt.plan``): the optimizer checks its state's structure, dtypes and
+   shapes and returns its kernel calls, grouped by device, dtype and implementation
+   (``_plan``);
+3. **check memory** once (``Sweep.run``): the state's storage and writability, and no
+   two of the step's tensors (masters, params, grads, state) sharing memory where one
+   is written;
+4. **run** every kernel call.
 
-Nothing is written before step 3, so a bad input leaves every tensor as it was.
+Nothing is written before step 4, so a bad input leaves every tensor as it was. On a
+repeated call with identical inputs (``_cache``) steps 1 to 3 are remembered.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
-from mpfunc.backends import _plan, _xla_watch
+from mpfunc.backends import _xla_watch
 from mpfunc.backends._diagnostics import UpdateStats
 from mpfunc.core import _cache, _checks, _dtensor, _gc, _tree
 from mpfunc.core._checks import Like
@@ -62,8 +68,8 @@ def _check(
 ) -> Step:
     if not isinstance(opt, Optimizer):
         raise TypeError(
-            f"{fn}: opt: expected an mpfunc Optimizer (mpfunc.sgd/adam/adamw/lion/partition/"
-            f"torch_optimizer), got {_checks.describe(opt)}"
+            f"{fn}: opt: expected an mpfunc Optimizer (from an optimizer factory such as "
+            f"mpfunc.adamw(...), or partition/torch_optimizer), got {_checks.describe(opt)}"
         )
     skip = _checks.zero_d_bool(fn, "skip", skip, "e.g. ~mpfunc.all_finite(g32)")
     # Each tree flattened once per call (units kept whole), for the memo key and the checks.
@@ -72,16 +78,30 @@ def _check(
     # included) passed these checks before: they are skipped (_cache.memo_entry).
     key, parts, entry = _recall(fn, flat)
     if entry is not None and entry.info is not None:
-        divisor = _loss_scale.scale_value(fn, scale)
-        return _resolved(_recalled(entry, flat, masters, grads, skip, params, divisor, stats))
-    step = _check_all(fn, masters, grads, skip, params, scale, stats, in_place, flat)
-    entry = _cache.memo_passed(key, parts)
-    if entry is None:
-        return _resolved(step)
-    kinds = step.kinds or [None] * len(step.masters.leaves)
-    plain = all(k is None for k in kinds)
-    entry.info = (plain, all(x is not None for x in step.masters.leaves), kinds)
-    return _resolved(step._replace(memo=entry))
+        divisor = None if scale is None else _loss_scale.scale_value(fn, scale)
+        step = _recalled(entry, flat, masters, grads, skip, params, divisor, stats)
+        return _resolved(_with_sweep(step, full=False))
+    step = _with_sweep(
+        _check_all(fn, masters, grads, skip, params, scale, stats, in_place, flat), full=True
+    )
+    assert step.sweep is not None
+    entry = _cache.memo_candidate(key, parts)
+    if entry is not None:
+        kinds = step.kinds or [None] * len(step.masters.leaves)
+        plain = all(k is None for k in kinds)
+        entry.info = (plain, all(x is not None for x in step.masters.leaves), kinds)
+        # Remembered once the step's memory check passed too (Sweep.run).
+        step.sweep.keep(partial(_cache.memo_keep, key, entry))
+        step = step._replace(memo=entry)
+    return _resolved(step)
+
+
+def _with_sweep(step: Step, *, full: bool) -> Step:
+    """The step with its one memory check (``Sweep``): the masters (units opened there)
+    and the params it writes, the grads it reads; each plan adds its state. The grads are
+    the caller's, before ``_resolved`` copies a negative view."""
+    written = [step.masters] if step.model is None else [step.masters, step.model]
+    return step._replace(sweep=_checks.Sweep(written, [step.grads], full=full))
 
 
 # Per tree of a step (masters, grads, params, stats): its leaves and spec, units (a
@@ -236,7 +256,7 @@ def _check_all(
                 for x, q, k in zip(m.leaves, p.leaves, kinds)
             ]
         )
-    divisor = _loss_scale.scale_value(fn, scale)
+    divisor = None if scale is None else _loss_scale.scale_value(fn, scale)
     stat_leaves = None
     if stats is not None:
         stat_leaves, s_spec = flat[3]
@@ -252,9 +272,10 @@ def _check_all(
                     _checks.describe(st),
                 )
         _checks.check_storage(fn, _checks.Side("stats", stats, stat_leaves, units=True))
-    sides = _plan.tensor_sides(m)
+    sides = _checks.tensor_sides(m)
     _checks.check_writable(fn, sides if model is None else [*sides, model], in_place=in_place)
-    _checks.check_no_alias(fn, written=sides if model is None else [*sides, model], read=[g])
+    # Aliasing among all of the step's tensors, state included, is checked once, after
+    # the plan checked the state (Sweep.run).
     return Step(
         m, m_spec, g, skip, faces=faces, kinds=kinds, model=model, scale=divisor, stats=stat_leaves
     )
@@ -339,6 +360,10 @@ def apply_update(
     """
     fn = "apply_update"
     step = _check(fn, masters, grads, opt, skip, in_place=False)
+    # The inputs' memory check (masters and grads: a tied master would still lose an
+    # update); the state is only read, and its copies below share memory with nothing.
+    assert step.sweep is not None
+    step.sweep.run(fn)
     if not opt.functional:
         raise TypeError(
             f"{fn}: opt: {opt.name} updates its tensors in place and cannot be copied; "
@@ -353,7 +378,7 @@ def apply_update(
     begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
     with _sharding.kept(_sharding.tensors(new_masters, new_state)):
         # Fresh copies every call: nothing to remember for their plan.
-        _run(opt.plan(step._replace(masters=m, faces=faces, memo=None), new_state, fn))
+        _run(opt.plan(step._replace(masters=m, faces=faces, memo=None, sweep=None), new_state, fn))
     _xla_watch.step_ends(begun, faces)
     return new_masters, new_state
 
@@ -414,7 +439,12 @@ def apply_update_(
     # Without a torch_xla.sync() between steps, XLA graphs grow: noticed (_xla_watch).
     begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
     # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).
+    assert step.sweep is not None
     with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
-        _run(opt.plan(step, state, fn))
+        work = opt.plan(step, state, fn)
+        # The call's one memory check, over the masters, params, grads and every plan's
+        # state, before the first write (none when every check was remembered).
+        step.sweep.run(fn)
+        _run(work)
     _xla_watch.step_ends(begun, step.faces or [])
     return masters, state

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mpfunc.backends import _plan
-from mpfunc.core import _cache, _checks, _tree
+from mpfunc.core import _checks, _tree
 from mpfunc.core._checks import Side
 from mpfunc.core._optimizer import Optimizer, Step, Work
 from mpfunc.strategies import _strategy
@@ -120,20 +119,9 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         work: list[Work] = []
         for name, opt in opts.items():  # every sub-plan checks before anything runs
             sub = step.only([lab == name for lab in labs], f"state[{name!r}]")
+            # Each sub-plan adds its state to the step's one memory check (step.sweep),
+            # which sees every label's masters, grads and state together.
             work += opt.plan(sub, state[name], where)
-        if functional:  # (a torch.optim state is no tree of tensors)
-            # Each sub-plan checks aliasing among its own leaves; across labels too, once.
-            # Masters kept by a strategy other than "fp32" are units (param + buffers).
-            # Remembered with the step's checks (step.memo) under the whole state's keys.
-            leaves, spec = _tree.flatten(state)
-            keys = None if step.memo is None else _cache.leaf_keys(leaves)
-            memo_key = None if keys is None else ("partition", where, spec, keys)
-            if memo_key is None or step.memo.get(memo_key) is None:
-                everything, _ = _checks.tensor_leaves(where, "state", state)
-                masters = _plan.tensor_sides(step.masters)
-                _checks.check_no_alias(where, written=[*masters, everything], read=[step.grads])
-                if memo_key is not None:
-                    step.memo.put(memo_key, True, [keys])
         return work
 
     return Optimizer(init=init, plan=plan, functional=functional, name=fn)

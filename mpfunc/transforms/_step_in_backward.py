@@ -365,6 +365,15 @@ def step_in_backward(
         check_param(fn, paths[i], q)
         check_no_grad(fn, paths[i], q)
         watched.append(q)
+    if opt.functional:
+        # Each leaf steps on its own one-leaf trees, so no step's memory check sees two
+        # leaves' tensors together: aliasing across leaves (one leaf's moment in another's
+        # master, one tensor under two names) is checked here, once, over the whole trees.
+        # Params are written for "fp32" masters only (a unit holds its param).
+        plain = [x is not None and _strategy.by_unit(x) is None for x in m.leaves]
+        model = p._replace(leaves=[q if k else None for q, k in zip(p.leaves, plain)])
+        s, _ = _checks.tensor_leaves(fn, "state", state)
+        _checks.check_no_alias(fn, written=[*_checks.tensor_sides(m), model, s])
     return StepInBackward(watched, paths, params, masters, state, opt, scale, stats)
 
 
