@@ -1712,15 +1712,17 @@ struct FU8 {
     }
   }
 
-  // encode<kSigned, kNoise> on one block; returns the 32 codes as two int32 vectors.
-  template <bool kSigned>
-  static MPF_INLINE void encode2(const __m512 (&x)[2], u32 key, std::int64_t first, u16* scale,
-                                 iVec (&code)[2]) {
+  // encode<kSigned, kNoise> on NB consecutive blocks (elements first.. first + 32 NB, scales
+  // scale[0, NB)); returns the codes as 2 NB int32 vectors. The blocks' independent chains
+  // are written phase by phase, interleaved, so that the core overlaps their latencies.
+  template <bool kSigned, int NB>
+  static MPF_INLINE void encode2(const __m512 (&x)[2 * NB], u32 key, std::int64_t first,
+                                 u16* scale, iVec (&code)[2 * NB]) {
     constexpr float kLevels = kSigned ? 127.0f : 254.0f;
     const __m512 tiny = _mm512_set1_ps(kTiny), zero = _mm512_setzero_ps();
-    __mmask16 ok[2], keep[2];
-    __m512 v[2];
-    for (int h = 0; h < 2; ++h) {
+    __mmask16 ok[2 * NB], keep[2 * NB];
+    __m512 v[2 * NB], dd[NB];
+    for (int h = 0; h < 2 * NB; ++h) {
       // finite: not a NaN (quiet 0x01, signalling 0x80) nor an infinity (0x08, 0x10).
       ok[h] = ~_mm512_fpclass_ps_mask(x[h], 0x99);
       if constexpr (!kSigned) ok[h] &= _mm512_cmp_ps_mask(x[h], _mm512_set1_ps(-kTiny), _CMP_GT_OQ);
@@ -1732,21 +1734,34 @@ struct FU8 {
     // magnitude by a butterfly of maxima (the values are finite and non-negative, so the
     // order does not matter), clamped, and rounded to bf16 as BF16::store rounds a finite
     // value (ties to even, on the bits); its bf16 value is the rounded bits' top half.
-    __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
-    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
-    mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
-    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(1, 0, 3, 2)));
-    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(2, 3, 0, 1)));
-    const iVec mb = _mm512_castps_si512(_mm512_min_ps(mx, _mm512_set1_ps(kBF16Max)));
-    const iVec rb = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(mb, i32(0x7FFFu)),
-                         _mm512_and_si512(_mm512_srli_epi32(mb, 16), i32(1))),
-        i32(0xFFFF0000u));
-    *scale = u16(u32(_mm_cvtsi128_si32(_mm512_castsi512_si128(rb))) >> 16);
-    const __m512 sf = _mm512_castsi512_ps(rb);
     const __m512 one = _mm512_set1_ps(1.0f);
-    // An all-zero block has scale 0; dividing by 1 instead keeps its codes 0.
-    const __m512 dd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sf, zero, _CMP_GT_OQ), one, sf);
+    __m512 mx[NB];
+    for (int j = 0; j < NB; ++j) {
+      mx[j] = _mm512_max_ps(_mm512_abs_ps(v[2 * j]), _mm512_abs_ps(v[2 * j + 1]));
+    }
+    for (int j = 0; j < NB; ++j) {
+      mx[j] = _mm512_max_ps(mx[j], _mm512_shuffle_f32x4(mx[j], mx[j], _MM_SHUFFLE(1, 0, 3, 2)));
+    }
+    for (int j = 0; j < NB; ++j) {
+      mx[j] = _mm512_max_ps(mx[j], _mm512_shuffle_f32x4(mx[j], mx[j], _MM_SHUFFLE(2, 3, 0, 1)));
+    }
+    for (int j = 0; j < NB; ++j) {
+      mx[j] = _mm512_max_ps(mx[j], _mm512_permute_ps(mx[j], _MM_SHUFFLE(1, 0, 3, 2)));
+    }
+    for (int j = 0; j < NB; ++j) {
+      mx[j] = _mm512_max_ps(mx[j], _mm512_permute_ps(mx[j], _MM_SHUFFLE(2, 3, 0, 1)));
+    }
+    for (int j = 0; j < NB; ++j) {
+      const iVec mb = _mm512_castps_si512(_mm512_min_ps(mx[j], _mm512_set1_ps(kBF16Max)));
+      const iVec rb = _mm512_and_si512(
+          _mm512_add_epi32(_mm512_add_epi32(mb, i32(0x7FFFu)),
+                           _mm512_and_si512(_mm512_srli_epi32(mb, 16), i32(1))),
+          i32(0xFFFF0000u));
+      scale[j] = u16(u32(_mm_cvtsi128_si32(_mm512_castsi512_si128(rb))) >> 16);
+      const __m512 sf = _mm512_castsi512_ps(rb);
+      // An all-zero block has scale 0; dividing by 1 instead keeps its codes 0.
+      dd[j] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sf, zero, _CMP_GT_OQ), one, sf);
+    }
     // Three of encode's operations are left out here, each provably without effect on a
     // code (tests/test_native_u8_boundaries.py puts values on every decision boundary):
     // * the flush of y = v / dd: a y below 2**-126 gives t below 2**-125, whose codes
@@ -1758,8 +1773,8 @@ struct FU8 {
     //   the scale is the block's largest magnitude rounded to bf16 (relative error
     //   <= 2**-9) or bf16's largest value (fp32's largest is 1.0039 times it), so |y| <=
     //   1.0039, |t| = 2|y| / (1 + |y|) <= 1.002 and |127 t| <= 127.25 rounds into range.
-    for (int h = 0; h < 2; ++h) {
-      const __m512 yj = _mm512_div_ps(v[h], dd);
+    for (int h = 0; h < 2 * NB; ++h) {
+      const __m512 yj = _mm512_div_ps(v[h], dd[h / 2]);
       iVec c;
       if constexpr (kSigned) {
         const __m512 t = _mm512_div_ps(_mm512_add_ps(yj, yj), _mm512_add_ps(_mm512_abs_ps(yj), one));
@@ -1800,13 +1815,28 @@ struct FU8 {
     iVec c[2];
     u16* scale = L.scale[k] + i / kQBlock;
     if (k == 0) {
-      encode2<true>(x, 0, i, scale, c);
+      encode2<true, 1>(x, 0, i, scale, c);
     } else {
-      encode2<false>(x, L.vkey, i, scale, c);
+      encode2<false, 1>(x, L.vkey, i, scale, c);
     }
     auto* out = static_cast<std::uint8_t*>(L.data[k]) + i;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c[0]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(c[1]));
+  }
+  // store() on the two blocks at i and i + kBlock, their encodes interleaved.
+  static MPF_INLINE void store_pair(const CLeaf& L, int k, std::int64_t i, const fVec (&y)[4]) {
+    const __m512 x[4] = {__m512(y[0]), __m512(y[1]), __m512(y[2]), __m512(y[3])};
+    iVec c[4];
+    u16* scale = L.scale[k] + i / kQBlock;
+    if (k == 0) {
+      encode2<true, 2>(x, 0, i, scale, c);
+    } else {
+      encode2<false, 2>(x, L.vkey, i, scale, c);
+    }
+    auto* out = static_cast<std::uint8_t*>(L.data[k]) + i;
+    for (int h = 0; h < 4; ++h) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(c[h]));
+    }
   }
 };
 #endif
@@ -1930,6 +1960,14 @@ struct FU4 {
 };
 #endif
 
+// Whether run_fused steps the format two blocks at a time (FS::store_pair).
+template <class FS>
+constexpr bool kPaired = false;
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+constexpr bool kPaired<FU8> = true;
+#endif
+
 // Whole blocks of [begin, end) inside the leaf's vector loop; returns where it stopped.
 template <class S, class FS, class G, bool kAmsgrad>
 std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, const Hyper& h) {
@@ -1938,6 +1976,27 @@ std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, con
   const std::int64_t vec_end = std::min(end, n - n % kW);
   const auto* Gr = static_cast<const typename G::T*>(L.grad);
   std::int64_t i = begin;
+  if constexpr (kPaired<FS>) {
+    // Two blocks a step: one block's chain (decode, math, scale, codes) is longer than the
+    // core's window reaches, so two blocks' chains are written side by side.
+    for (; i + 2 * kBlock <= vec_end; i += 2 * kBlock) {
+      fVec g[4], p[4], m[4], v[4], vm[4];
+      for (int j = 0; j < 2; ++j) {
+        const std::int64_t o = i + j * kBlock;
+        load2<G, true>(Gr + o, kBlock, g[2 * j], g[2 * j + 1]);
+        S::load(L, o, p[2 * j], p[2 * j + 1]);
+        FS::load(L, 0, o, m[2 * j], m[2 * j + 1]);
+        FS::load(L, 1, o, v[2 * j], v[2 * j + 1]);
+        if constexpr (kAmsgrad) FS::load(L, 2, o, vm[2 * j], vm[2 * j + 1]);
+      }
+      for (int q = 0; q < 4; ++q) p[q] = vector_math<kAmsgrad>(g[q], p[q], m[q], v[q], vm[q], h, k);
+      FS::store_pair(L, 0, i, m);
+      FS::store_pair(L, 1, i, v);
+      if constexpr (kAmsgrad) FS::store_pair(L, 2, i, vm);
+      S::store(L, i, p[0], p[1]);
+      S::store(L, i + kBlock, p[2], p[3]);
+    }
+  }
   for (; i + kBlock <= vec_end; i += kBlock) {
     fVec g0, g1, p0, p1, m0, m1, v0, v1, vm0, vm1;
     load2<G, true>(Gr + i, kBlock, g0, g1);
