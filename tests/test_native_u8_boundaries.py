@@ -4,9 +4,10 @@ bit for bit.
 Every code the encode writes is a discrete decision: a first moment's code rounds
 ``L t`` to nearest (midpoints at ``k + 1/2``; ``L`` = 127 levels, 7 for 4-bit codes), a
 second moment's lower code is ``floor(L' t)`` (boundaries at the integers; ``L'`` = 254,
-or 14) and its stochastic step up compares the draw with ``(value - a) / (b - a)``. The native pass may decide these with cheaper
-arithmetic and fall back to the exact operations near a boundary; these inputs sit on
-every boundary and a few ulps either side of it, where a wrong shortcut would show.
+or 14) and its stochastic step up compares the draw with ``(value - a) / (b - a)``. The
+native pass may decide these with cheaper arithmetic (it leaves out flushes and clamps it
+proves cannot change a code); these inputs sit on every boundary and a few ulps either
+side of it, where a wrong shortcut would show.
 
 With ``betas=(0, 0)`` and ``lr=0`` one AdamW step stores ``m = g`` and ``v = fl(g * g)``,
 and ``sqrt(fl(g * g)) == |g|`` in binary floating point, so both moments' companded values
