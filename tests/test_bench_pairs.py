@@ -34,3 +34,12 @@ def test_pairs_smoke_sgd_and_lion_rows(tmp_path: Path, optimizer: str) -> None:
     assert len(names) == (1 if optimizer == "sgd" else 2) + len(PAIRS)
     assert all(r["ratio"] > 0 for r in part["rows"])
     assert f"mpfunc stochastic + uint8 ({optimizer})" in (tmp_path / "pairs.md").read_text()
+
+
+def test_pairs_option_times_only_the_pairs_named(tmp_path: Path) -> None:
+    args = ["--smoke", "--threads", "1", "--pairs", "stochastic+uint8", "--out", str(tmp_path)]
+    assert main(args) == 0
+    (part,) = json.loads((tmp_path / "pairs.json").read_text())["parts"]
+    assert [r["name"] for r in part["rows"]] == [BASE["adamw"], "mpfunc stochastic + uint8"]
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--pairs", "stochastic+int8", "--out", str(tmp_path)])

@@ -1,11 +1,13 @@
-"""The native 8-bit encode on its decision boundaries, against the torch path bit for bit.
+"""The native 8-bit and 4-bit encodes on their decision boundaries, against the torch path
+bit for bit.
 
 Every code the encode writes is a discrete decision: a first moment's code rounds
-``127 t`` to nearest (midpoints at ``k + 1/2``), a second moment's lower code is
-``floor(254 t)`` (boundaries at the integers) and its stochastic step up compares the
-draw with ``(value - a) / (b - a)``. The native pass may decide these with cheaper
-arithmetic and fall back to the exact operations near a boundary; these inputs sit on
-every boundary and a few ulps either side of it, where a wrong shortcut would show.
+``L t`` to nearest (midpoints at ``k + 1/2``; ``L`` = 127 levels, 7 for 4-bit codes), a
+second moment's lower code is ``floor(L' t)`` (boundaries at the integers; ``L'`` = 254,
+or 14) and its stochastic step up compares the draw with ``(value - a) / (b - a)``. The
+native pass may decide these with cheaper arithmetic (it leaves out flushes and clamps it
+proves cannot change a code); these inputs sit on every boundary and a few ulps either
+side of it, where a wrong shortcut would show.
 
 With ``betas=(0, 0)`` and ``lr=0`` one AdamW step stores ``m = g`` and ``v = fl(g * g)``,
 and ``sqrt(fl(g * g)) == |g|`` in binary floating point, so both moments' companded values
@@ -24,6 +26,7 @@ import torch
 import mpfunc
 from mpfunc.core import _rng
 from mpfunc.optim import _adam
+from mpfunc.state_formats import _quantize, _quantize4
 from tests.support.helpers import assert_trees_bits_equal
 from tests.support.native import native_module
 
@@ -53,18 +56,26 @@ def _grads_of(y: torch.Tensor) -> torch.Tensor:
     return _around(y.double() * SCALE).clamp(-SCALE, SCALE)
 
 
-def _signed_midpoints() -> torch.Tensor:
-    # fl(127 t) = k + 1/2 at t = (k + 1/2) / 127, y = t / (2 - t); both signs.
-    t = (torch.arange(0, 127, dtype=torch.float64) + 0.5) / 127
+# Per format: its state dtype, signed and unsigned levels, and fp32 decode tables indexed by
+# the unsigned code.
+FORMATS = {
+    8: (torch.uint8, 127, 254, _quantize._TABLE_CPU[False]),
+    4: (torch.uint4, 7, 14, _quantize4._TABLE_CPU[False]),  # type: ignore[attr-defined]
+}
+
+
+def _signed_midpoints(levels: int) -> torch.Tensor:
+    # fl(L t) = k + 1/2 at t = (k + 1/2) / L, y = t / (2 - t); both signs.
+    t = (torch.arange(0, levels, dtype=torch.float64) + 0.5) / levels
     y = t / (2 - t)
     return torch.cat([y, -y])
 
 
-def _unsigned_floors() -> torch.Tensor:
-    # floor(254 t) steps at t = k / 254, y = k / (508 - k) (the decode table's entries),
-    # the clamp to 253 included.
-    k = torch.arange(1, 255, dtype=torch.float64)
-    return k / (508 - k)
+def _unsigned_floors(levels: int) -> torch.Tensor:
+    # floor(L' t) steps at t = k / L', y = t / (2 - t) (the decode table's entries), the
+    # clamp to L' - 1 included.
+    t = torch.arange(1, levels + 1, dtype=torch.float64) / levels
+    return t / (2 - t)
 
 
 def _blocks(payload: torch.Tensor) -> torch.Tensor:
@@ -75,7 +86,9 @@ def _blocks(payload: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full((rows, 1), SCALE), body], dim=1).reshape(-1)
 
 
-def _step(g: torch.Tensor, strategy: str, impl: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _step(
+    g: torch.Tensor, strategy: str, impl: Any, monkeypatch: pytest.MonkeyPatch, bits: int = 8
+) -> Any:
     drawn: list[torch.Tensor] = []
     real = _rng.uniform_list
 
@@ -88,7 +101,7 @@ def _step(g: torch.Tensor, strategy: str, impl: Any, monkeypatch: pytest.MonkeyP
     params = {"w": torch.zeros(g.numel(), dtype=torch.bfloat16)}
     masters = mpfunc.init_master(params, strategy=strategy, seed=3)
     opt = mpfunc.adamw(lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, impl=impl,
-                       state_dtype=torch.uint8)  # fmt: skip
+                       state_dtype=FORMATS[bits][0])  # fmt: skip
     state = opt.init(masters)
     kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
     masters, state = mpfunc.apply_update_(masters, {"w": g.clone()}, state, opt, **kw)
@@ -97,14 +110,14 @@ def _step(g: torch.Tensor, strategy: str, impl: Any, monkeypatch: pytest.MonkeyP
     return (params, masters, state), (noise[-1] if noise else None)
 
 
-def _thresholds(u: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _thresholds(u: torch.Tensor, gen: torch.Generator, bits: int = 8) -> torch.Tensor:
     """Per element, a companded value whose square sits on its draw's threshold between
     a random pair of neighbouring codes: value = a + u (b - a), offset by -ULPS..ULPS ulps
     (cycling), so the comparison ``u < (value - a) / (b - a)`` is decided by last bits."""
     n = u.numel()
-    lo = torch.randint(0, 254, (n,), generator=gen).float()
-    a = lo / (508 - lo)
-    b = (lo + 1) / (508 - (lo + 1))
+    _, _, levels, table = FORMATS[bits]
+    lo = torch.randint(0, levels, (n,), generator=gen)
+    a, b = table[lo], table[lo + 1]
     a, b = a * a, b * b  # fp32, as the codec squares its table entries
     y = torch.sqrt(a.double() + u.double() * (b.double() - a.double()))
     g = (y * SCALE).float()
@@ -116,26 +129,28 @@ def _thresholds(u: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return g
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("strategy", ["fp32", "stochastic"])
-def test_8bit_codes_on_every_boundary_equal_the_torch_path(
-    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str
+def test_codes_on_every_boundary_equal_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, native: Any, strategy: str, bits: int
 ) -> None:
+    _, s_levels, u_levels, table = FORMATS[bits]
     fixed = torch.cat([
-        _grads_of(_signed_midpoints()),
-        _grads_of(_unsigned_floors()),
-        _grads_of(torch.tensor([0.0, 1.0, 1.0 / 507, 2.0**-70, 2.0**-126])),
+        _grads_of(_signed_midpoints(s_levels)),
+        _grads_of(_unsigned_floors(u_levels)),
+        _grads_of(torch.tensor([0.0, 1.0, float(table[1]), 2.0**-70, 2.0**-126])),
     ])  # fmt: skip
     # Room for the thresholds after the fixed values; the draws depend only on the element
     # index and the step's key, so a first run tells every element's draw.
     n_fixed = _blocks(fixed).numel()
     g = torch.cat([_blocks(fixed), _blocks(torch.zeros(31 * 160))])
-    _, u = _step(g, strategy, "foreach", monkeypatch)
+    _, u = _step(g, strategy, "foreach", monkeypatch, bits)
     gen = torch.Generator().manual_seed(11)
-    tail = _thresholds(u[n_fixed:].reshape(-1, 32)[:, 1:].reshape(-1), gen)
+    tail = _thresholds(u[n_fixed:].reshape(-1, 32)[:, 1:].reshape(-1), gen, bits)
     g = torch.cat([_blocks(fixed), _blocks(tail)])
     assert g.numel() % 32 == 0 and g.abs().max() == SCALE
 
-    want, _ = _step(g, strategy, "foreach", monkeypatch)
+    want, _ = _step(g, strategy, "foreach", monkeypatch, bits)
     ran: list[int] = []
     real = _adam._composed
 
@@ -144,10 +159,11 @@ def test_8bit_codes_on_every_boundary_equal_the_torch_path(
         real(group, h)
 
     monkeypatch.setattr(_adam, "_composed", spy)
-    got, _ = _step(g, strategy, "auto", monkeypatch)
+    got, _ = _step(g, strategy, "auto", monkeypatch, bits)
     assert ran, "the native pass did not run"
     assert_trees_bits_equal(got, want, nan_payload=False)
     # The inputs did reach the decisions: both maps use most of their codes here.
     state = got[2]
-    assert len(torch.unique(state.exp_avg["w"].codes)) > 200
-    assert len(torch.unique(state.exp_avg_sq["w"].codes)) > 200
+    for q, levels in ((state.exp_avg["w"], 2 * s_levels), (state.exp_avg_sq["w"], u_levels)):
+        codes = q.codes if bits == 8 else _quantize4._unpack(q.codes)
+        assert len(torch.unique(codes)) > 0.75 * levels

@@ -157,10 +157,21 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
     ]
 
 
+def _pair_key(strategy: str, sd: torch.dtype | None) -> str:
+    """The name ``--pairs`` knows a pair by: ``strategy+format``, e.g. ``stochastic+uint8``."""
+    return f"{strategy}+{'fp32' if sd is None else str(sd).removeprefix('torch.')}"
+
+
 def _contenders(
-    shapes: list[tuple[int]], peers: bool, optimizer: str = "adamw"
+    shapes: list[tuple[int]],
+    peers: bool,
+    optimizer: str = "adamw",
+    pairs: Sequence[str] | None = None,
 ) -> tuple[dict[str, tuple[float, Step]], dict[str, str]]:
-    """name -> (bytes per param, step), and name -> why a peer could not run."""
+    """name -> (bytes per param, step), and name -> why a peer could not run.
+
+    ``pairs``: the ``_pair_key`` names to time (None: every pair).
+    """
     out: dict[str, tuple[float, Step]] = {"torch fused fp32 AdamW": (4 + 8, _torch_fused(shapes))}
     if optimizer == "sgd":
         out = {BASE["sgd"]: (4 + 4, _torch_fused(shapes, "foreach sgd"))}
@@ -168,6 +179,8 @@ def _contenders(
         out["torch foreach fp32 AdamW"] = (4 + 8, _torch_fused(shapes, "foreach adamw"))
     one = optimizer != "adamw"  # one moment, not two
     for strategy, sd, nbytes in PAIRS:
+        if pairs is not None and _pair_key(strategy, sd) not in pairs:
+            continue
         name = f"mpfunc {strategy} + {'fp32' if sd is None else str(sd).removeprefix('torch.')}"
         if one:
             name = f"{name} ({optimizer})"
@@ -238,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for label, shapes, peers in configs:
             load0 = load_avg()
             peers = peers and not args.no_peers and args.optimizer == "adamw"
-            contenders, failed = _contenders(shapes, peers, args.optimizer)
+            contenders, failed = _contenders(shapes, peers, args.optimizer, args.pairs)
             times = _measure(contenders, args.rounds)
             parts.append(
                 {
@@ -316,10 +329,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the step timed (sgd: momentum 0.9; no peers for sgd and lion)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 3 rounds, no peers")
+    p.add_argument(
+        "--pairs",
+        default=None,
+        help="comma list of the pairs to time, as strategy+format (e.g. stochastic+uint8,"
+        "fp32+uint4; default: every pair); torch's own step is always timed",
+    )
     meta_mod.add_out_argument(p, "pairs")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.threads = [int(t) for t in str(args.threads).split(",")]
+    known = {_pair_key(st, sd) for st, sd, _ in PAIRS}
+    if args.pairs is not None:
+        args.pairs = [x.strip() for x in str(args.pairs).split(",") if x.strip()]
+        unknown = sorted(set(args.pairs) - known)
+        if unknown:
+            p.error(f"--pairs: unknown {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     if args.smoke:
         args.numel, args.tensors, args.rounds, args.no_peers = 1 << 16, 4, 3, True
         args.count_leaves = 100

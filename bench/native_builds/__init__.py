@@ -1,0 +1,1 @@
+"""Two or more builds of the native kernel, one AdamW step each, in one process."""
