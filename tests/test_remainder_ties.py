@@ -367,3 +367,85 @@ def test_native_pass_keeps_tie_bits_on_every_layout(
         torch.set_num_threads(before)
     assert calls, "the native pass never ran"
     assert ties > 0, "no tie bit was ever set"
+
+
+def _every_pair(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(param, remainder, tie bytes) of ``rows`` rows of 65,536: each row every bf16 param
+    pattern (NaNs, infs, +-0 and subnormals included) beside remainders of one kind: 0,
+    0x7FFF, 0x8000 (every element a tie), 0x8001, 0xFFFF, then random ones. Tie bits are
+    random where ``join`` reads them (a 0x8000 remainder or a NaN param) and 0 elsewhere,
+    as ``split`` leaves them; pairs no split writes (a -0 param with a set top bit) are
+    there too, and every path must read them alike."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 << 16
+    param = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).repeat(rows, 1)
+    edges = [0, 0x7FFF, 0x8000, 0x8001, 0xFFFF]
+    low = torch.randint(0, n, (rows, n), generator=gen, dtype=torch.int32)
+    for r, e in enumerate(edges[:rows]):
+        low[r] = e
+    reads = ((param.to(torch.int32) & 0x7FFF) > 0x7F80) | (low == 0x8000)
+    tie = torch.randint(0, 2, (rows, n), generator=gen, dtype=torch.int32) * reads
+    return param.view(BF16), low.to(torch.int16), _remainder.pack_ties(tie)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_native_remainder_blocks_equal_the_tiles_on_every_pair(
+    monkeypatch: pytest.MonkeyPatch, name: str, threads: int
+) -> None:
+    """The native pass's vector blocks (the common element in 16-bit lanes, the rare ones
+    out of line) against its tiles (join/split element by element) and the torch path,
+    on every param pattern beside edge and random remainders and tie bits: params,
+    remainders and tie bytes equal bit for bit, NaN payloads included."""
+    from mpfunc.backends import _native
+
+    if not _native.available():
+        pytest.skip("no native kernel")
+    native = _native.load()
+    calls: list[int] = []
+    for entry in ("step_composed_", "step_rule_"):
+        fn = getattr(native, entry)
+
+        def spy(*a: Any, _fn: Any = fn) -> Any:
+            calls.append(1)
+            return _fn(*a)
+
+        monkeypatch.setattr(native, entry, spy)
+    rows = 6
+    gen = torch.Generator().manual_seed(3)
+    grads = [(torch.randn(rows, 1 << 16, generator=gen) * 1e-2).to(BF16) for _ in range(2)]
+
+    def run(impl: str, tiles: bool) -> list[torch.Tensor]:
+        if tiles:
+            monkeypatch.setenv("MPFUNC_NATIVE_TILES", "1")
+        else:
+            monkeypatch.delenv("MPFUNC_NATIVE_TILES", raising=False)
+        param, low, ties = _every_pair(rows, seed=5)
+        params = {"w": torch.nn.Parameter(param.clone())}
+        masters = mpfunc.init_master(params, strategy="remainder")
+        unit = masters["w"]
+        unit.remainder.copy_(low)
+        unit.ties.copy_(ties)
+        # The torch path's specification: torch's fused kernel for AdamW, else foreach.
+        spec = "fused" if name == "adamw" else "foreach"
+        opt = _optimizer(name, spec if impl == "spec" else "auto")
+        state = opt.init(masters)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        old = native._tune(4096 if threads > 1 else 1 << 15, False)  # threads split rows
+        try:
+            for g in grads:
+                mpfunc.apply_update_(masters, {"w": g}, state, opt)
+        finally:
+            native._tune(*old)
+            torch.set_num_threads(before)
+        return [_raw(t) for t in unit]
+
+    blocks, tiles = run("auto", False), run("auto", True)
+    assert calls, "the native pass never ran"
+    calls.clear()
+    spec = run("spec", False)
+    assert not calls
+    for a, b, c, what in zip(blocks, tiles, spec, ("param", "remainder", "ties"), strict=True):
+        assert torch.equal(a, b), what
+        assert torch.equal(a, c), what

@@ -1454,26 +1454,32 @@ void store_state(Format f, bool is_signed, const CLeaf& L, int k, std::int64_t b
 // the same integer formulas), so the bits are the same; elements past the leaf's last
 // whole block (torch's 8-wide and scalar loops) go through the tiles.
 
-// Strategy pieces: load(L, i, p0, p1) and store(L, i, p0, p1) for elements [i, i + kBlock).
+// Strategy pieces: load(L, i, p0, p1) and store(L, i, p0, p1, carry) for elements
+// [i, i + kBlock); load returns the carry, a mask of the block's elements its store must
+// revisit (the remainder's rare elements; 0 for the others).
 template <class X>
 struct SNearest {  // "none": the param itself, rounded to nearest
-  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+  static MPF_INLINE u32 load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     load2<X, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
+    return 0;
   }
-  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1,
+                               u32) {
     store2<X, true>(static_cast<u16*>(L.prim) + i, kBlock, p0, p1);
   }
 };
 
 template <class O>
 struct SFp32 {  // "fp32": the master in place; with params out, refreshed and rounded out
-  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+  static MPF_INLINE u32 load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     load2<F32, true>(static_cast<const float*>(L.prim) + i, kBlock, p0, p1);
     if constexpr (!std::is_void_v<typename O::T>) {
       refresh<O, true>(static_cast<const typename O::T*>(L.out) + i, kBlock, p0, p1);
     }
+    return 0;
   }
-  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1,
+                               u32) {
     store2<F32, true>(static_cast<float*>(L.prim) + i, kBlock, p0, p1);
     if constexpr (!std::is_void_v<typename O::T>) {
       store2<O, true>(static_cast<typename O::T*>(L.out) + i, kBlock, p0, p1);
@@ -1483,14 +1489,16 @@ struct SFp32 {  // "fp32": the master in place; with params out, refreshed and r
 
 template <class X>
 struct SKahan {  // param + compensation; store_kahan's block
-  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+  static MPF_INLINE u32 load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     fVec c0, c1;
     load2<X, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
     load2<X, true>(static_cast<const u16*>(L.aux) + i, kBlock, c0, c1);
     p0 = p0 + c0;
     p1 = p1 + c1;
+    return 0;
   }
-  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& x0, const fVec& x1) {
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& x0, const fVec& x1,
+                               u32) {
     using T = typename VecOf<X>::T;
     const auto p = at::vec::convert_from_float<T>(x0, x1);
     fVec r0, r1;
@@ -1510,40 +1518,72 @@ MPF_INLINE void narrow16(iVec x, u16* p) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
 }
 
-// join() on 16 lanes; t: their 16 tie bits.
-MPF_INLINE fVec join16(const u16* P, const u16* R, __mmask16 t) {
-  const iVec p = widen16(P), low = widen16(R);
-  const iVec mag = _mm512_and_si512(p, i32(0x7FFFu));
-  const __mmask16 finite = _mm512_cmple_epu32_mask(mag, i32(kInfHigh));
-  // Up where low + t > 0x8000: the top bit, or at an exact tie the tie bit (finite only).
-  const iVec lt = _mm512_mask_add_epi32(low, t, low, i32(1u));
-  const __mmask16 up = _mm512_mask_cmpgt_epu32_mask(finite, lt, i32(0x8000u));
-  iVec high = _mm512_mask_sub_epi32(mag, up, mag, i32(1u));
-  high = _mm512_mask_mov_epi32(high, _kandn_mask16(finite, t), i32(kInfHigh));
-  // (high | sign) << 16 | low, the sign being bit 15 of p.
-  const iVec top = _mm512_ternarylogic_epi32(high, p, i32(0x8000u), 0xF8);  // a | (b & c)
-  return fVec(_mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(top, 16), low)));
+// join() and split() on a block of 32 elements, in 16-bit lanes. The common block has no
+// rare element (an exact tie, remainder 0x8000, or a NaN param; tie_matters), and there the
+// rounding went up exactly where the remainder's top bit is set: join subtracts it from the
+// param's magnitude, split adds it to the master's high half. Rare elements are left to
+// join_rare/split_rare, out of line; the masks say which (bit j: element j).
+MPF_INLINE __m512i u16s(u32 v) { return _mm512_set1_epi16(short(v)); }
+
+// x0, x1 <- join of P, R[0, 32) (right where no bit is set in the returned mask).
+MPF_INLINE u32 join32(const u16* P, const u16* R, fVec& x0, fVec& x1) {
+  const __m512i p = _mm512_loadu_si512(P), low = _mm512_loadu_si512(R);
+  const __m512i mag = _mm512_and_si512(p, u16s(0x7FFFu));
+  const u32 rare = u32(_mm512_cmpgt_epu16_mask(mag, u16s(kInfHigh)) |
+                       _mm512_cmpeq_epi16_mask(low, u16s(0x8000u)));
+  // high = (mag - top bit) | sign, wrapping at 0 to 0xFFFF as join's u32 arithmetic does.
+  const __m512i high =
+      _mm512_ternarylogic_epi32(_mm512_sub_epi16(mag, _mm512_srli_epi16(low, 15)), p,
+                                u16s(0x8000u), 0xF8);  // a | (b & c)
+  // Interleave low and high halves into fp32 lanes: qwords reordered so that each 128-bit
+  // lane's low (high) half holds elements of the first (second) 16, then unpack.
+  const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m512i l = _mm512_permutexvar_epi64(order, low);
+  const __m512i h = _mm512_permutexvar_epi64(order, high);
+  x0 = fVec(_mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h)));
+  x1 = fVec(_mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h)));
+  return rare;
 }
 
-// split() on 16 lanes; returns their tie bits.
-MPF_INLINE __mmask16 split16(const fVec& x, u16* P, u16* R) {
-  const iVec b = _mm512_castps_si512(__m512(x));
-  const iVec mag32 = _mm512_and_si512(b, i32(0x7FFFFFFFu));
-  const iVec hi = _mm512_srli_epi32(b, 16);  // the sign and the high half
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag32, i32(0x7F800000u));
-  const __mmask16 odd = _mm512_test_epi32_mask(b, i32(0x10000u));
-  // Nearest even: + 0x7FFF + odd, then the high half; NaNs keep theirs.
-  const iVec inc = _mm512_maskz_add_epi32(_knot_mask16(nan), _mm512_srli_epi32(_mm512_and_si512(b, i32(0x10000u)), 16),
-                                          i32(0x7FFFu));
-  iVec mag = _mm512_srli_epi32(_mm512_add_epi32(mag32, inc), 16);
-  const __mmask16 lownan = _mm512_mask_cmpeq_epi32_mask(nan, mag, i32(kInfHigh));
-  mag = _mm512_mask_mov_epi32(mag, lownan, i32(kQNaNHigh));
-  const iVec low = _mm512_and_si512(b, i32(0xFFFFu));
-  const __mmask16 tie =
-      _mm512_mask_cmpeq_epi32_mask(_kandn_mask16(nan, odd), low, i32(0x8000u)) | lownan;
-  narrow16(_mm512_ternarylogic_epi32(mag, hi, i32(0x8000u), 0xF8), P);  // mag | sign
-  narrow16(low, R);
-  return tie;
+// P, R[0, 32) <- split of x0, x1 (right where no bit is set in the returned mask).
+MPF_INLINE u32 split32(const fVec& x0, const fVec& x1, u16* P, u16* R) {
+  // The even (odd) 16-bit halves of 32 fp32 lanes: their low (high) halves, in order.
+  const __m512i even = _mm512_setr_epi32(
+      0x00020000, 0x00060004, 0x000A0008, 0x000E000C, 0x00120010, 0x00160014, 0x001A0018,
+      0x001E001C, 0x00220020, 0x00260024, 0x002A0028, 0x002E002C, 0x00320030, 0x00360034,
+      0x003A0038, 0x003E003C);
+  const __m512i odd = _mm512_add_epi16(even, u16s(1));
+  const __m512i a = _mm512_castps_si512(__m512(x0)), b = _mm512_castps_si512(__m512(x1));
+  const __m512i low = _mm512_permutex2var_epi16(a, even, b);
+  const __m512i high = _mm512_permutex2var_epi16(a, odd, b);
+  const u32 rare =
+      u32(_mm512_cmpgt_epu16_mask(_mm512_and_si512(high, u16s(0x7FFFu)), u16s(kInfHigh)) |
+          _mm512_cmpeq_epi16_mask(low, u16s(0x8000u)));
+  _mm512_storeu_si512(P, _mm512_add_epi16(high, _mm512_srli_epi16(low, 15)));
+  _mm512_storeu_si512(R, low);
+  return rare;
+}
+
+// x[j] for the rare elements j in m of a block at i: joined with their tie bits.
+__attribute__((noinline, cold)) void join_rare(const CLeaf& L, std::int64_t i, u32 m, float* x) {
+  const auto* P = static_cast<const u16*>(L.prim) + i;
+  const auto* R = static_cast<const u16*>(L.aux) + i;
+  for (; m; m &= m - 1) {
+    const int j = __builtin_ctz(m);
+    x[j] = join(P[j], R[j], tie_get(L.ties, i + j));
+  }
+}
+
+// The elements m of a block at i split again with their tie bits: the rare ones and those
+// whose bit was read at the load (it may be set: rewritten).
+__attribute__((noinline, cold)) void split_rare(const CLeaf& L, std::int64_t i, u32 m,
+                                                const float* x) {
+  auto* P = static_cast<u16*>(L.prim) + i;
+  auto* R = static_cast<u16*>(L.aux) + i;
+  for (; m; m &= m - 1) {
+    const int j = __builtin_ctz(m);
+    tie_put(L.ties, i + j, split(x[j], P[j], R[j]));
+  }
 }
 
 // fmix() and draw() on 16 lanes of element indices.
@@ -1576,43 +1616,43 @@ MPF_INLINE void round16(const fVec& x, u32 key, u32 first, u16* P) {
   narrow16(_mm512_mask_mov_epi32(t, nan, i32(BF16::kNaN)), P);
 }
 
-// tie_matters on 32 elements, as a bit mask.
-MPF_INLINE u32 matters32(const u16* P, const u16* R) {
-  const __m512i p = _mm512_loadu_si512(P), r = _mm512_loadu_si512(R);
-  const __m512i mag = _mm512_and_si512(p, _mm512_set1_epi16(0x7FFF));
-  return u32(_mm512_cmpgt_epu16_mask(mag, _mm512_set1_epi16(short(kInfHigh))) |
-             _mm512_cmpeq_epi16_mask(r, _mm512_set1_epi16(short(0x8000))));
-}
-
 struct SRemainder {  // bf16 params only
-  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+  // Returns the block's rare elements, whose tie bits the store rewrites.
+  static MPF_INLINE u32 load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     const auto* P = static_cast<const u16*>(L.prim) + i;
     const auto* R = static_cast<const u16*>(L.aux) + i;
-    u32 t = 0;
-    for (u32 m = matters32(P, R); m; m &= m - 1) {  // rare: exact ties and NaN params
-      const int j = __builtin_ctz(m);
-      t |= tie_get(L.ties, i + j) << j;
+    const u32 rare = join32(P, R, p0, p1);
+    if (__builtin_expect(rare != 0, 0)) {
+      alignas(64) float x[kBlock];
+      p0.store(x);
+      p1.store(x + kW);
+      join_rare(L, i, rare, x);
+      p0 = fVec::loadu(x);
+      p1 = fVec::loadu(x + kW);
     }
-    p0 = join16(P, R, __mmask16(t));
-    p1 = join16(P + kW, R + kW, __mmask16(t >> 16));
+    return rare;
   }
-  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1,
+                               u32 was) {
     auto* P = static_cast<u16*>(L.prim) + i;
     auto* R = static_cast<u16*>(L.aux) + i;
-    const u32 was = matters32(P, R);  // bits that may be set: rewritten below
-    const u32 t = u32(split16(p0, P, R)) | (u32(split16(p1, P + kW, R + kW)) << 16);
-    for (u32 m = was | t; m; m &= m - 1) {
-      const int j = __builtin_ctz(m);
-      tie_put(L.ties, i + j, (t >> j) & 1u);
+    const u32 m = split32(p0, p1, P, R) | was;
+    if (__builtin_expect(m != 0, 0)) {
+      alignas(64) float x[kBlock];
+      p0.store(x);
+      p1.store(x + kW);
+      split_rare(L, i, m, x);
     }
   }
 };
 
 struct SStochastic {  // bf16 params only
-  static MPF_INLINE void load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
+  static MPF_INLINE u32 load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     load2<BF16, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
+    return 0;
   }
-  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1) {
+  static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& p0, const fVec& p1,
+                               u32) {
     auto* P = static_cast<u16*>(L.prim) + i;
     round16(p0, L.key, u32(i), P);
     round16(p1, L.key, u32(i + kW), P + kW);
@@ -2045,7 +2085,7 @@ std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, con
   for (; i + kBlock <= vec_end; i += kBlock) {
     fVec g0, g1, p0, p1, m0, m1, v0, v1, vm0, vm1;
     load2<G, true>(Gr + i, kBlock, g0, g1);
-    S::load(L, i, p0, p1);
+    const u32 carry = S::load(L, i, p0, p1);
     FS::load(L, 0, i, m0, m1);
     FS::load(L, 1, i, v0, v1);
     if constexpr (kAmsgrad) FS::load(L, 2, i, vm0, vm1);
@@ -2054,7 +2094,7 @@ std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, con
     FS::store(L, 0, i, m0, m1);
     FS::store(L, 1, i, v0, v1);
     if constexpr (kAmsgrad) FS::store(L, 2, i, vm0, vm1);
-    S::store(L, i, p0, p1);
+    S::store(L, i, p0, p1, carry);
   }
   return i;
 }
@@ -2543,12 +2583,12 @@ std::int64_t rule_fused(const RLeaf& R, std::int64_t begin, std::int64_t end, co
   for (; i + kBlock <= end; i += kBlock) {
     fVec g0, g1, p0, p1, m0, m1;
     load2<G, true>(Gr + i, kBlock, g0, g1);
-    S::load(L, i, p0, p1);
+    const u32 carry = S::load(L, i, p0, p1);
     FS::load(L, 0, i, m0, m1);
     p0 = rule_math<false>(g0, p0, m0, h, k);
     p1 = rule_math<false>(g1, p1, m1, h, k);
     FS::store(L, 0, i, m0, m1);
-    S::store(L, i, p0, p1);
+    S::store(L, i, p0, p1, carry);
   }
   return i;
 }
