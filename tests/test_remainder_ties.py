@@ -82,15 +82,16 @@ def _ties(masters: dict[str, Any]) -> int:
     return n
 
 
-def _optimizer(name: str, impl: str) -> Any:
+def _optimizer(name: str, impl: str, state_dtype: torch.dtype | None = None) -> Any:
     lr = 2.0**-8
+    sd = state_dtype
     if name == "adamw":
-        return mpfunc.adamw(lr=lr, weight_decay=0.0, impl=impl)
+        return mpfunc.adamw(lr=lr, weight_decay=0.0, impl=impl, state_dtype=sd)
     if name == "sgd":
-        return mpfunc.sgd(lr=lr, impl=impl)
+        return mpfunc.sgd(lr=lr, impl=impl, state_dtype=sd)
     if name == "sgd_momentum":
-        return mpfunc.sgd(lr=lr, momentum=0.5, impl=impl)
-    return mpfunc.lion(lr=lr, impl=impl)
+        return mpfunc.sgd(lr=lr, momentum=0.5, impl=impl, state_dtype=sd)
+    return mpfunc.lion(lr=lr, impl=impl, state_dtype=sd)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -388,15 +389,17 @@ def _every_pair(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return param.view(BF16), low.to(torch.int16), _remainder.pack_ties(tie)
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.uint8], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_native_remainder_blocks_equal_the_tiles_on_every_pair(
-    monkeypatch: pytest.MonkeyPatch, name: str, threads: int
+    monkeypatch: pytest.MonkeyPatch, name: str, threads: int, state_dtype: torch.dtype | None
 ) -> None:
     """The native pass's vector blocks (the common element in 16-bit lanes, the rare ones
-    out of line) against its tiles (join/split element by element) and the torch path,
-    on every param pattern beside edge and random remainders and tie bits: params,
-    remainders and tie bytes equal bit for bit, NaN payloads included."""
+    out of line; 8-bit moments step several blocks at a time) against its tiles
+    (join/split element by element) and the torch path, on every param pattern beside
+    edge and random remainders and tie bits: params, remainders and tie bytes equal bit
+    for bit, NaN payloads included."""
     from mpfunc.backends import _native
 
     if not _native.available():
@@ -428,7 +431,7 @@ def test_native_remainder_blocks_equal_the_tiles_on_every_pair(
         unit.ties.copy_(ties)
         # The torch path's specification: torch's fused kernel for AdamW, else foreach.
         spec = "fused" if name == "adamw" else "foreach"
-        opt = _optimizer(name, spec if impl == "spec" else "auto")
+        opt = _optimizer(name, spec if impl == "spec" else "auto", state_dtype)
         state = opt.init(masters)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)

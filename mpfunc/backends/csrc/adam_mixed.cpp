@@ -2065,10 +2065,11 @@ std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, con
     constexpr int kG = kGroup<FS>;
     for (; i + kG * kBlock <= vec_end; i += kG * kBlock) {
       fVec g[2 * kG], p[2 * kG], m[2 * kG], v[2 * kG], vm[2 * kG];
+      u32 carry[kG];
       for (int j = 0; j < kG; ++j) {
         const std::int64_t o = i + j * kBlock;
         load2<G, true>(Gr + o, kBlock, g[2 * j], g[2 * j + 1]);
-        S::load(L, o, p[2 * j], p[2 * j + 1]);
+        carry[j] = S::load(L, o, p[2 * j], p[2 * j + 1]);
         FS::load(L, 0, o, m[2 * j], m[2 * j + 1]);
         FS::load(L, 1, o, v[2 * j], v[2 * j + 1]);
         if constexpr (kAmsgrad) FS::load(L, 2, o, vm[2 * j], vm[2 * j + 1]);
@@ -2079,7 +2080,9 @@ std::int64_t run_fused(const CLeaf& L, std::int64_t begin, std::int64_t end, con
       FS::template store_blocks<kG>(L, 0, i, m);
       FS::template store_blocks<kG>(L, 1, i, v);
       if constexpr (kAmsgrad) FS::template store_blocks<kG>(L, 2, i, vm);
-      for (int j = 0; j < kG; ++j) S::store(L, i + j * kBlock, p[2 * j], p[2 * j + 1]);
+      for (int j = 0; j < kG; ++j) {
+        S::store(L, i + j * kBlock, p[2 * j], p[2 * j + 1], carry[j]);
+      }
     }
   }
   for (; i + kBlock <= vec_end; i += kBlock) {
