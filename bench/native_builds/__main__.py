@@ -31,7 +31,8 @@ from bench.common.machine import load_avg
 from bench.common.report import fmt
 from mpfunc.backends import _native
 
-FORMATS = {"uint8": torch.uint8, "uint4": torch.uint4, "bfloat16": torch.bfloat16}  # type: ignore[attr-defined]
+# State formats by name (fp32: moments in fp32).
+FORMATS = {"uint8": torch.uint8, "uint4": torch.uint4, "bfloat16": torch.bfloat16, "fp32": None}  # type: ignore[attr-defined]
 
 
 def _library(path: str) -> ModuleType:
