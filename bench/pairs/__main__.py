@@ -57,15 +57,15 @@ U4: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 # (strategy, state_dtype, persistent bytes per param: param + master/buffer + moments)
 PAIRS: list[tuple[str, torch.dtype | None, float]] = [
     ("fp32", None, 2 + 4 + 8),
-    ("remainder", None, 2 + 2 + 8),
+    ("remainder", None, 2 + 2 + 0.125 + 8),  # + one tie bit per element
     ("kahan", BF16, 2 + 2 + 4),
     ("fp32", U8, 2 + 4 + 2.125),
-    ("remainder", U8, 2 + 2 + 2.125),
+    ("remainder", U8, 2 + 2 + 0.125 + 2.125),
     ("kahan", U8, 2 + 2 + 2.125),
     ("stochastic", BF16, 2 + 4),
     ("stochastic", U8, 2 + 2.125),
     ("none", BF16, 2 + 4),
-    # 4-bit moments (issue 22): the torch path on the CPU (no native pass yet).
+    # 4-bit moments (issue 22).
     ("fp32", U4, 2 + 4 + 1.125),
     ("stochastic", U4, 2 + 1.125),
 ]
