@@ -823,10 +823,15 @@ class _B:
         return self.shr(self.bits(key, shape), 8).cast("f32") * self.f32(2.0**-24)
 
     def shr(self, x: Any, n: int) -> Any:
-        """Logical right shift of s32 values, as ``_rng._shr`` (a division of the non-negative
-        part; the builder's own right shift is misspelt in torch_xla 2.9, see _remainder)."""
-        low = (x & self.s32(0x7FFFFFFF)) / self.s32(1 << n)
-        return low + (x < self.s32(0)).select(x.scalar_like(1 << (31 - n)), x.zeros_like())
+        """Logical right shift of s32 values: ``_rng._shr``'s bits, as one unsigned division
+        by ``2**n``, which XLA turns into a logical shift (the builder's only right shift,
+        torch_xla 2.9's misspelt ``ShifRight``, is arithmetic). A signed division of the
+        masked value, ``_rng._shr`` written op for op, became seven ops a shift on XLA:CPU
+        (the rounding of a signed division towards zero)."""
+        k = ("u32", 1 << n)
+        if k not in self._consts:
+            self._consts[k] = self.xb.Op.scalar(self.builder, 1 << n, dtype="u32")
+        return (x.bitcast("u32") / self._consts[k]).bitcast("s32")
 
     def mix(self, x: Any) -> Any:
         """``_rng._mix``: MurmurHash3's fmix32 in wrapping s32 arithmetic."""

@@ -567,8 +567,9 @@ def quantize4_list_(
 # ``_pack`` of one leaf inside an ``xla_builder`` computation, op for op, so the node gives
 # the torch path's bits. ``b`` is the node's builder helper (``_xla_kernels._B``): its
 # ``xb``, ``builder``, fp32/s32 constants (``f32``, ``s32``), ``abs``, ``flush`` (this
-# module's ``_flush``), ``rne`` (``torch.round``) and ``per_element`` (a per-block value
-# repeated for each element, blocks of 32). Operands are ``xla_builder.Op``s.
+# module's ``_flush``), ``rne`` (``torch.round``), ``shr`` (a logical right shift of s32)
+# and ``per_element`` (a per-block value repeated for each element, blocks of 32).
+# Operands are ``xla_builder.Op``s.
 
 
 def _table_op(b: Any, signed: bool) -> Any:
@@ -592,7 +593,7 @@ def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: boo
     n_bytes = packed_bytes(n)
     byte = codes.cast("s32") & b.s32(255)  # (_unpack) int8 bytes back to 0..255
     low = (byte & b.s32(15)).reshape([n_bytes, 1])
-    high = (byte / b.s32(16)).reshape([n_bytes, 1])  # non-negative: a right shift
+    high = b.shr(byte, 4).reshape([n_bytes, 1])
     nib = b.xb.Op.concat_in_dim([low, high], 1, builder=b.builder).reshape([2 * n_bytes])
     vals = _lookup_op(b, signed, nib.slice_in_dim(0, n, 0), n)
     s = scale.cast("f32")
