@@ -1864,19 +1864,11 @@ struct FU8 {
     }
   }
 
+  // One block: store_blocks<1>.
   static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
                                const fVec& b) {
-    const __m512 x[2] = {__m512(a), __m512(b)};
-    iVec c[2];
-    u16* scale = L.scale[k] + i / kQBlock;
-    if (k == 0) {
-      encode2<true, 1>(x, 0, i, scale, c);
-    } else {
-      encode2<false, 1>(x, L.vkey, i, scale, c);
-    }
-    auto* out = static_cast<std::uint8_t*>(L.data[k]) + i;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c[0]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(c[1]));
+    const fVec y[2] = {a, b};
+    store_blocks<1>(L, k, i, y);
   }
   // store() on the NB blocks from i, their encodes interleaved.
   template <int NB>
@@ -2004,18 +1996,11 @@ struct FU4 {
     return _mm_and_si128(_mm_or_si128(e, _mm_srli_epi16(e, 4)), _mm_set1_epi16(0xFF));
   }
 
+  // One block: store_blocks<1>.
   static MPF_INLINE void store(const CLeaf& L, int k, std::int64_t i, const fVec& a,
                                const fVec& b) {
-    const __m512 x[2] = {__m512(a), __m512(b)};
-    iVec c[2];
-    u16* scale = L.scale[k] + i / kQBlock;
-    if (k == 0) {
-      encode2<true, 1>(x, 0, i, scale, c);
-    } else {
-      encode2<false, 1>(x, L.vkey, i, scale, c);
-    }
-    auto* out = static_cast<std::uint8_t*>(L.data[k]) + i / 2;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pack8(c[0]), pack8(c[1])));
+    const fVec y[2] = {a, b};
+    store_blocks<1>(L, k, i, y);
   }
   // store() on the NB blocks from i, their encodes interleaved.
   template <int NB>
