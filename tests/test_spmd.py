@@ -311,6 +311,17 @@ def test_no_op_without_spmd(device: torch.device) -> None:
     assert not _sharding.active()
 
 
+def _dump_hlo(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's step graphs as text under ``tmp_path / "hlo"`` (each graph's final
+    HLO only), where the worker counts their collectives."""
+    monkeypatch.setenv("MPFUNC_HLO_DUMP", str(tmp_path / "hlo"))
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path / 'hlo'} "
+        "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
+    )
+
+
 @pytest.mark.xla
 def test_tie_bits_follow_the_param_where_the_bytes_split_evenly(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
@@ -321,12 +332,7 @@ def test_tie_bits_follow_the_param_where_the_bytes_split_evenly(
     last dim is replicated (the other dims split as the param's) and the step still
     exchanges bits (measured below: packing elements of two devices into one byte cannot
     be done without); the results equal the CPU's bit for bit either way, ties included."""
-    monkeypatch.setenv("MPFUNC_HLO_DUMP", str(tmp_path / "hlo"))
-    monkeypatch.setenv(
-        "XLA_FLAGS",
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path / 'hlo'} "
-        "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
-    )
+    _dump_hlo(tmp_path, monkeypatch)
     r = run_worker("ties", 4, tmp_path)
     for name, c in r.items():
         assert c["equal"] and c["ties_set"] > 0, (name, c)
@@ -353,12 +359,7 @@ def test_uint4_codes_follow_a_dim0_split(
     splits codes and scales the same way, and the steps' graphs have no collective. A split
     of another dim leaves them replicated (each step then all-gathers the new codes and
     scales). Codes and scales equal the CPU's bit for bit either way."""
-    monkeypatch.setenv("MPFUNC_HLO_DUMP", str(tmp_path / "hlo"))
-    monkeypatch.setenv(
-        "XLA_FLAGS",
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path / 'hlo'} "
-        "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
-    )
+    _dump_hlo(tmp_path, monkeypatch)
     r = run_worker("uint4", 4, tmp_path)
     for name, c in r.items():
         assert c["codes_equal"] and c["master_err"] <= BOUND, (name, c)
