@@ -316,6 +316,23 @@ NATIVE_LAYOUTS = [
 ]
 
 
+def _spy_native(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets one entry per call of the native pass's two step entries."""
+    from mpfunc.backends import _native
+
+    native = _native.load()
+    calls: list[int] = []
+    for entry in ("step_composed_", "step_rule_"):
+        fn = getattr(native, entry)
+
+        def spy(*a: Any, _fn: Any = fn) -> Any:
+            calls.append(1)
+            return _fn(*a)
+
+        monkeypatch.setattr(native, entry, spy)
+    return calls
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_native_pass_keeps_tie_bits_on_every_layout(
@@ -328,16 +345,7 @@ def test_native_pass_keeps_tie_bits_on_every_layout(
 
     if not _native.available():
         pytest.skip("no native kernel")
-    calls: list[int] = []
-    native = _native.load()
-    for entry in ("step_composed_", "step_rule_"):
-        fn = getattr(native, entry)
-
-        def spy(*a: Any, _fn: Any = fn) -> Any:
-            calls.append(1)
-            return _fn(*a)
-
-        monkeypatch.setattr(native, entry, spy)
+    calls = _spy_native(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -405,15 +413,7 @@ def test_native_remainder_blocks_equal_the_tiles_on_every_pair(
     if not _native.available():
         pytest.skip("no native kernel")
     native = _native.load()
-    calls: list[int] = []
-    for entry in ("step_composed_", "step_rule_"):
-        fn = getattr(native, entry)
-
-        def spy(*a: Any, _fn: Any = fn) -> Any:
-            calls.append(1)
-            return _fn(*a)
-
-        monkeypatch.setattr(native, entry, spy)
+    calls = _spy_native(monkeypatch)
     rows = 6
     gen = torch.Generator().manual_seed(3)
     grads = [(torch.randn(rows, 1 << 16, generator=gen) * 1e-2).to(BF16) for _ in range(2)]
