@@ -1,4 +1,5 @@
-"""``core._tree.flatten``'s fast cases (flat dicts) give exactly what optree's walk gives."""
+"""``core._tree.flatten``'s fast cases (flat dicts, flat lists and tuples) give exactly what
+optree's walk gives."""
 
 from __future__ import annotations
 
@@ -62,3 +63,49 @@ def test_flat_dicts_flatten_as_optree_walks_them(
     assert len(leaves) == len(ref_leaves)
     assert all(a is b for a, b in zip(leaves, ref_leaves))
     assert _tree.unflatten(spec, leaves).keys() == tree.keys()
+
+
+class _Sub(list):  # a list subclass: a node optree knows, never the fast case
+    pass
+
+
+SEQ_KINDS = (*KINDS, "subtensor")
+
+
+def _seq_value(kind: str) -> Any:
+    if kind == "subtensor":  # a tensor subclass: a leaf for optree, not a plain type here
+        return torch.zeros(2).as_subclass(_SubTensor)
+    return _value(kind)
+
+
+class _SubTensor(torch.Tensor):
+    pass
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.sampled_from(SEQ_KINDS), max_size=8),
+    st.sampled_from([list, tuple, _Sub]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_flat_sequences_flatten_as_optree_walks_them(
+    kinds: list[str], container: type, units: bool, twice: bool
+) -> None:
+    # Units are leaves only with units=True; without, a unit is a node and is opened. Twice:
+    # the second call takes the remembered spec of its (type, length).
+    tree = container(_seq_value(k) for k in kinds)
+    for _ in range(2 if twice else 1):
+        leaves, spec = _tree.flatten(tree, units=units)
+        ref_leaves, ref_spec = optree.tree_flatten(
+            tree,
+            is_leaf=_tree._is_unit if units else None,
+            none_is_leaf=True,
+            namespace=_tree.NAMESPACE,
+        )
+        assert spec == ref_spec
+        assert len(leaves) == len(ref_leaves)
+        assert all(a is b for a, b in zip(leaves, ref_leaves))
+        assert leaves is not tree  # a fresh list: callers may change it
+        rebuilt = _tree.unflatten(spec, leaves)
+        assert type(rebuilt) is type(tree) and len(rebuilt) == len(tree)
