@@ -35,7 +35,18 @@ PEERS: dict[str, Peer] = {
         (("bf16_stochastic_round", True),),
     ),
     "flashoptim": Peer("FlashOptim FlashAdamW", "flashoptim:FlashAdamW"),
+    # Its one mode that runs without CUDA: bf16 params and moments, no master bits.
+    "flashoptim-bf16": Peer(
+        "FlashOptim FlashAdamW plain bf16 (quantize=False, master_weight_bits=None)",
+        "flashoptim:FlashAdamW",
+        (("quantize", False), ("master_weight_bits", None), ("fused", False)),
+    ),
 }
+
+
+# What a peer raises when it cannot run here: not installed, or a mode that needs a device
+# this machine lacks (FlashOptim's quantized modes: "requires a CUDA device").
+UNAVAILABLE = (ImportError, NotImplementedError)
 
 
 def make(

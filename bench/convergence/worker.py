@@ -262,7 +262,7 @@ class OptimTrainer(TorchTrainer):
             assert self.row.optimizer is not None
             try:
                 self.opt = peers.make(self.row.optimizer, ps, **hyper)
-            except ImportError as e:
+            except peers.UNAVAILABLE as e:
                 label = peers.PEERS[self.row.optimizer].label
                 raise Unsupported(f"{label}: {e}") from e
             return

@@ -136,6 +136,19 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
 
         return bnb.optim.AdamW8bit(ps, lr=1e-3)
 
+    def flashoptim_default(ps: list[torch.nn.Parameter]) -> Any:
+        import flashoptim
+
+        return flashoptim.FlashAdamW(ps, lr=1e-3)  # CUDA only: a row that says why here
+
+    def flashoptim_bf16(ps: list[torch.nn.Parameter]) -> Any:
+        import flashoptim
+
+        # Its one mode without CUDA: bf16 moments, no master bits (the rest raises here).
+        return flashoptim.FlashAdamW(
+            ps, lr=1e-3, quantize=False, master_weight_bits=None, fused=False
+        )
+
     def torchao(name: str, **kw: Any) -> Callable[[list[torch.nn.Parameter]], Any]:
         def make(ps: list[torch.nn.Parameter]) -> Any:
             from torchao import optim as ao
@@ -154,6 +167,8 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
             2 + 4,
             torchao("_AdamW", bf16_stochastic_round=True),
         ),
+        ("FlashOptim FlashAdamW plain bf16 (quantize=False)", 2 + 4, flashoptim_bf16),
+        ("FlashOptim FlashAdamW (8-bit state, 24-bit masters)", 2 + 2 + 1, flashoptim_default),
     ]
 
 

@@ -140,7 +140,7 @@ def make_step(
                 opt = peers.make(
                     name, params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
                 )
-            except ImportError as e:
+            except peers.UNAVAILABLE as e:
                 raise Unsupported(f"{peers.PEERS[name].label}: {e}") from e
             torch_name = peers.PEERS[name].label
         else:
