@@ -152,3 +152,21 @@ def test_tensor_subclasses_are_opened() -> None:
     make: Callable[..., Pair] = Pair
     t = make(torch.zeros(8, dtype=torch.uint8), torch.zeros(2))
     assert persistent_bytes([t]) == 8 + 8
+
+
+def test_state_objects_count_the_tensors_they_hold_as_attributes() -> None:
+    # FlashOptim keeps each moment in an object (_MaybeQuantizedTensor) whose tensors are
+    # attributes: counted, once per storage; a module or a class among the values is not
+    # walked (its tensors are not the state's).
+    from bench.common import memory
+
+    class Held:
+        def __init__(self, t: torch.Tensor) -> None:
+            self._data = t
+            self._scales = None
+            self.signed = True
+
+    a = torch.zeros(100, dtype=torch.bfloat16)
+    state = {"exp_avg": Held(a), "exp_avg_sq": Held(torch.zeros(100)), "alias": Held(a)}
+    assert memory.persistent_bytes(state) == 200 + 400
+    assert memory.persistent_bytes({"m": torch.nn.Linear(3, 3), "k": Held}) == 0

@@ -31,7 +31,8 @@ import torch
 
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
     """Every plain tensor in a tree of dicts, lists and tuples (NamedTuples included); a
-    tensor subclass that flattens (``__tensor_flatten__``) yields the tensors inside it."""
+    tensor subclass that flattens (``__tensor_flatten__``) yields the tensors inside it, and
+    any other object the tensors among its attributes."""
     if isinstance(tree, torch.Tensor):
         flatten = getattr(type(tree), "__tensor_flatten__", None)
         if flatten is not None and type(tree) not in (torch.Tensor, torch.nn.Parameter):
@@ -46,6 +47,12 @@ def tensors(tree: Any) -> Iterator[torch.Tensor]:
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             yield from tensors(v)
+    elif hasattr(tree, "__dict__") and not isinstance(tree, (type, torch.nn.Module)):
+        # A state object that keeps its tensors as attributes (FlashOptim's
+        # _MaybeQuantizedTensor: _data, or _quantized and _scales): its own tensors, one level.
+        for v in vars(tree).values():
+            if isinstance(v, torch.Tensor):
+                yield from tensors(v)
 
 
 def _storages(trees: Iterable[Any]) -> dict[tuple[Any, ...], int]:
