@@ -11,6 +11,7 @@ merely present. Old checkpoints (written with ties-away params, no tie bits:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,11 @@ def test_remainder_run_is_the_fp32_run_cpu(
     name: str, impl: str, layouts: list[Any], seed: int
 ) -> None:
     ties = run(torch.device("cpu"), name, impl, layouts, seed, steps=6)
-    if name in ("sgd", "lion"):  # updates of exactly +-lr: half an ulp of every param
+    # Updates of exactly +-lr (a grad of +-1, 80% of the draws) move a param by half an ulp:
+    # with 8 elements or more some step lands on a tie (one 0-d param alone may miss them
+    # all in 6 steps: seed 1001 did; its bits are still compared at every step above).
+    elements = sum(math.prod(shape) for _, shape in layouts)
+    if name in ("sgd", "lion") and elements >= 8:
         assert ties > 0, "no step landed on a tie"
 
 
