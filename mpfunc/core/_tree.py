@@ -160,14 +160,13 @@ def flatten(tree: Any, *, units: bool = False) -> tuple[list[Any], Any]:
 def opened(leaves: list[Any]) -> list[Any]:
     """Leaves from ``flatten(..., units=True)`` with each unit opened into its fields, in
     order (the list itself when it holds no unit)."""
-    if compiling():  # (the plain form, for dynamo)
-        return [t for x in leaves for t in (x if isinstance(x, tuple) else (x,))]
-    kinds = set(map(type, leaves))  # (types read in C: a few, however many leaves)
-    tuples = [issubclass(k, tuple) for k in kinds]
-    if not any(tuples):
-        return leaves
-    if all(tuples):  # units only (the common case): their fields, joined in C
-        return list(itertools.chain.from_iterable(leaves))
+    if not compiling():  # (under dynamo, the plain form below)
+        kinds = set(map(type, leaves))  # (types read in C: a few, however many leaves)
+        tuples = [issubclass(k, tuple) for k in kinds]
+        if not any(tuples):
+            return leaves
+        if all(tuples):  # units only (the common case): their fields, joined in C
+            return list(itertools.chain.from_iterable(leaves))
     return [t for x in leaves for t in (x if isinstance(x, tuple) else (x,))]
 
 
