@@ -47,6 +47,7 @@ import torch
 
 import mpfunc
 from bench.common import meta as meta_mod
+from bench.common import peers as peer_mod
 from bench.common.machine import load_avg
 from bench.common.report import fmt, header, write_json
 
@@ -136,18 +137,13 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
 
         return bnb.optim.AdamW8bit(ps, lr=1e-3)
 
-    def flashoptim_default(ps: list[torch.nn.Parameter]) -> Any:
-        import flashoptim
+    def shared(name: str) -> Callable[[list[torch.nn.Parameter]], Any]:
+        # A peer of bench.common.peers (its mode's keywords there), at FlashAdamW's and
+        # torch's AdamW defaults.
+        def make(ps: list[torch.nn.Parameter]) -> Any:
+            return peer_mod.make(name, ps, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
-        return flashoptim.FlashAdamW(ps, lr=1e-3)  # CUDA only: a row that says why here
-
-    def flashoptim_bf16(ps: list[torch.nn.Parameter]) -> Any:
-        import flashoptim
-
-        # Its one mode without CUDA: bf16 moments, no master bits (the rest raises here).
-        return flashoptim.FlashAdamW(
-            ps, lr=1e-3, quantize=False, master_weight_bits=None, fused=False
-        )
+        return make
 
     def torchao(name: str, **kw: Any) -> Callable[[list[torch.nn.Parameter]], Any]:
         def make(ps: list[torch.nn.Parameter]) -> Any:
@@ -167,8 +163,10 @@ def _peers() -> list[tuple[str, float, Callable[[list[torch.nn.Parameter]], Any]
             2 + 4,
             torchao("_AdamW", bf16_stochastic_round=True),
         ),
-        ("FlashOptim FlashAdamW plain bf16 (quantize=False)", 2 + 4, flashoptim_bf16),
-        ("FlashOptim FlashAdamW (8-bit state, 24-bit masters)", 2 + 2 + 1, flashoptim_default),
+        # FlashOptim: its one mode without CUDA (bf16 moments, no master bits), and its
+        # default, a row that says it needs CUDA here.
+        ("FlashOptim FlashAdamW plain bf16 (quantize=False)", 2 + 4, shared("flashoptim-bf16")),
+        ("FlashOptim FlashAdamW (8-bit state, 24-bit masters)", 2 + 2 + 1, shared("flashoptim")),
     ]
 
 
