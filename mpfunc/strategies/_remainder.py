@@ -272,8 +272,13 @@ def _pack_ops(xb: Any, builder: Any, bits: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _unpack_ops(xb: Any, builder: Any, ties: Any, shape: tuple[int, ...]) -> Any:
-    """``unpack_ties`` as XLA ops: u8 of ``tie_shape`` -> s32 0/1 values of ``shape``
-    (right shifts as divisions, see ``_split_ops``)."""
+    """``unpack_ties`` as XLA ops: u8 of ``tie_shape`` -> s32 0/1 values of ``shape``.
+
+    Each bit is read with a mask (``byte & 2**j``), not a shift: the builder's one right
+    shift is misspelt (see ``_split_ops``), and a division by the per-bit power, which
+    the first version used, is an integer division by a variable that XLA:CPU runs
+    scalar: it made a ``"remainder"`` step 3x slower there (27.8 ms against 8.3 on one leaf of 3.3M
+    elements)."""
     rows, n = list(shape[:-1]), (shape[-1] if shape else 1)
     c = (n + 7) // 8
     t = ties.cast("s32").reshape([*rows, c])
@@ -281,7 +286,8 @@ def _unpack_ops(xb: Any, builder: Any, ties: Any, shape: tuple[int, ...]) -> Any
     t = t.broadcast_in_dim(full, list(range(len(rows) + 1)))
     one = xb.Op.scalar(builder, 1, dtype="s32")
     powers = one << xb.Op.iota(builder, xb.mkshape("s32", full), len(rows) + 1)
-    out = ((t / powers) & one).reshape([*rows, 8 * c])
+    zero = xb.Op.scalar(builder, 0, dtype="s32")
+    out = ((t & powers) != zero).select(t.ones_like(), t.zeros_like()).reshape([*rows, 8 * c])
     if 8 * c > n:
         out = out.slice_in_dim(0, n, len(rows))
     return out.reshape(list(shape))
