@@ -9,6 +9,10 @@ the host trace alone (the call returns with the graph pending), and the whole st
 single pass (``fp32 + fp32``). ``torch_xla.amp.syncfree.AdamW`` (torch_xla's own
 sync-free optimizer) runs beside them on the same fp32 tree. Each row also counts, over
 the timed rounds, the compiles (0 after warm-up) and the graphs executed per step.
+For mpfunc's rows, "node ms" is the part of the host trace spent in torch_xla's own calls
+for the node (``_xla_kernels._run``: the user-computation call, the ``_foreach_copy_``
+write-backs and the release of the node's results), which grows with the tensors a leaf
+holds; the rest of the trace is mpfunc's Python (checks, layout, plan).
 mpfunc steps take bf16 grads; the ``"fp32"`` pairs write the rounded bf16 params too.
 Every pair is one node on XLA.
 
@@ -105,6 +109,31 @@ def _time(step: Callable[[], Any]) -> tuple[float, float]:
     return traced, time.perf_counter() - t0
 
 
+class _NodeClock:
+    """Accumulates the time spent in ``_xla_kernels._run`` (torch_xla's calls for a node)."""
+
+    def __init__(self) -> None:
+        from mpfunc.backends import _xla_kernels
+
+        self.module = _xla_kernels
+        self.inner = _xla_kernels._run
+        self.total = 0.0
+
+    def __enter__(self) -> _NodeClock:
+        def timed(*args: Any, **kwargs: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                self.inner(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t0
+
+        self.module._run = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.module._run = self.inner
+
+
 def _counts() -> tuple[int, int]:
     """(compiles, graph executions) so far in this process."""
     import torch_xla.debug.metrics as met
@@ -130,25 +159,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, list[tuple[float, ...]]] = {n: [] for n in contenders}
     compiles = dict.fromkeys(contenders, 0)
     graphs = dict.fromkeys(contenders, 0)
-    for _ in range(args.rounds):
-        base = _time(contenders[BASE])
-        fp32 = _time(contenders[FP32])
-        for name, step in contenders.items():
-            c0, e0 = _counts()
-            t = _time(step)
-            c1, e1 = _counts()
-            compiles[name] += c1 - c0
-            graphs[name] += e1 - e0
-            samples[name].append((t[0], t[1], t[0] / base[0], t[1] / base[1], t[1] / fp32[1]))
+    with _NodeClock() as clock:
+        for _ in range(args.rounds):
+            base = _time(contenders[BASE])
+            fp32 = _time(contenders[FP32])
+            for name, step in contenders.items():
+                c0, e0 = _counts()
+                clock.total = 0.0
+                t = _time(step)
+                c1, e1 = _counts()
+                compiles[name] += c1 - c0
+                graphs[name] += e1 - e0
+                ratios = (t[0] / base[0], t[1] / base[1], t[1] / fp32[1])
+                samples[name].append((t[0], t[1], *ratios, clock.total))
     rows = []
     for name, xs in samples.items():
-        med = [statistics.median(x[i] for x in xs) for i in range(5)]
+        med = [statistics.median(x[i] for x in xs) for i in range(6)]
         rows.append(
             {
                 "name": name,
                 "trace_ms": med[0] * 1e3,
                 "step_ms": med[1] * 1e3,
                 "trace_ratio": med[2],
+                "node_ms": med[5] * 1e3 if name.startswith("mpfunc") else None,
                 "step_ratio": med[3],
                 "step_to_fp32": med[4],
                 "compiles": compiles[name],
@@ -176,13 +209,14 @@ def render(result: dict[str, Any]) -> str:
         f"{part['leaves']} leaves, {part['threads']} thread(s), medians of {part['rounds']} "
         f"rounds; load average {fmt(load['start'], '{:.2f}')} -> {fmt(load['end'], '{:.2f}')}.",
         "",
-        "| contender | host trace ms | trace / torch's | step ms | step / torch's "
-        "| step / mpfunc fp32 | compiles | graphs / step |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| contender | host trace ms | of which node ms | trace / torch's | step ms "
+        "| step / torch's | step / mpfunc fp32 | compiles | graphs / step |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in part["rows"]:
         lines.append(
-            f"| {r['name']} | {r['trace_ms']:.1f} | {r['trace_ratio']:.2f} | "
+            f"| {r['name']} | {r['trace_ms']:.1f} | {fmt(r.get('node_ms'), '{:.1f}')} | "
+            f"{r['trace_ratio']:.2f} | "
             f"{r['step_ms']:.1f} | {r['step_ratio']:.2f} | {r.get('step_to_fp32', 0):.2f} | "
             f"{r.get('compiles', '-')} | {r.get('graphs_per_step', 0):.1f} |"
         )
