@@ -341,3 +341,48 @@ def test_native_refuses_wrong_4bit_codes_before_writing(native: Any) -> None:
             native.step_composed_(4, 3, [p], [], [g], data, [[sm], [sv]], [step], [], [0],
                                   *args.values())  # fmt: skip
     assert_unchanged([p, m, v, sm, sv, step], before)
+
+
+# Where the CPU has AVX512_BF16, the native pass rounds to bf16 with one instruction that
+# reads subnormal inputs as zero and keeps NaN payloads; blocks holding either must take
+# torch's conversion. Values that land on them in every bf16 store of a pass: params and
+# masters ("none", "kahan", "fp32"'s rounded params), Kahan compensations, bf16 moments.
+_TINY = [1e-39, -3e-40, 2.0**-130, float("nan"), -float("nan"), 5e-41, 0.0, -0.0]
+
+
+@pytest.mark.parametrize(
+    "strategy, state_dtype",
+    [("none", torch.bfloat16), ("kahan", torch.bfloat16), ("kahan", None),
+     ("stochastic", torch.bfloat16), ("fp32", torch.bfloat16), ("fp32", None)],
+)  # fmt: skip
+@pytest.mark.parametrize("where", [0, 17, 63])  # a block's first lane, its second half, a tail
+def test_native_bf16_rounding_keeps_subnormals_and_nan(
+    composed: list[int], strategy: str, state_dtype: Any, where: int
+) -> None:
+    """Bits equal the torch path's, NaN payloads included (torch writes 0xFFFF)."""
+
+    def run(impl: str) -> Any:
+        gen = torch.Generator().manual_seed(where)
+        base = torch.randn(96, generator=gen)
+        p = base.clone()
+        p[where : where + len(_TINY)] = torch.tensor(_TINY)
+        params = {"w": p.to(torch.bfloat16)}
+        masters = mpfunc.init_master(params, strategy=strategy, seed=1)
+        if strategy == "fp32":  # subnormal masters, whose rounded params are subnormal
+            masters["w"][where : where + len(_TINY)] = torch.tensor(_TINY)
+        opt = mpfunc.adamw(lr=1e-3, weight_decay=0.0, state_dtype=state_dtype, impl=impl)
+        state = opt.init(masters)
+        kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}
+        for k in range(3):
+            g = torch.randn(96, generator=gen) * 1e-38  # subnormal first moments
+            g[where + k] = float("nan") if k == 2 else 3e-39
+            masters, state = mpfunc.apply_update_(masters, {"w": g.bfloat16()}, state, opt, **kw)
+        return params, masters, state
+
+    composed.clear()
+    want = run("fused")
+    assert not composed
+    got = run("auto")
+    # The native pass ran ("fp32" masters with fp32 moments take the plain native kernel).
+    assert composed or (strategy == "fp32" and state_dtype is None)
+    assert_trees_bits_equal(got, want)

@@ -46,6 +46,7 @@ See docs/design.md#the-native-cpu-pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -128,20 +129,48 @@ def _isa_flags() -> list[str]:
 
     The kernel is written with ATen's ``Vectorized`` types, which pick their instruction
     set from ``CPU_CAPABILITY_*`` macros; we choose the one torch reports, so the loads,
-    stores and float <-> bfloat16/float16 conversions are torch's own code. Explicit flags
-    rather than ``-march=native``: the cached library is keyed on them, so a cache shared
-    by machines of one capability never runs an instruction one of them lacks.
+    stores and float <-> bfloat16/float16 conversions are torch's own code; on AVX-512 CPUs
+    with AVX512_BF16, that instruction set too, for one bf16 rounding that gives torch's
+    bits (``narrow2`` in the kernel). Explicit flags rather than ``-march=native``: the
+    cached library is keyed on them, so a cache shared by machines of one capability never
+    runs an instruction one of them lacks.
     """
     capability = torch.backends.cpu.get_cpu_capability()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if x86 and capability.startswith("AVX512"):
-        return [
+        flags = [
             "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
             "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
         ]  # fmt: skip
+        if _has_avx512_bf16():  # the kernel's one-instruction bf16 rounding (narrow2)
+            flags += ["-mavx512bf16", "-DMPF_AVX512BF16"]
+        return flags
     if x86 and capability == "AVX2":
         return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]
+
+
+@functools.cache
+def _has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) and
+    the compiler takes ``-mavx512bf16`` (GCC 10, clang 9), so the kernel may use it."""
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # (torch >= 2.5)
+    if check is not None:
+        has = bool(check())
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                has = any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+        except OSError:
+            has = False
+    if not has:
+        return False
+    probe = [_compiler(), "-mavx512bf16", "-E", "-x", "c++", os.devnull]
+    try:
+        done = subprocess.run(probe, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _cflags() -> list[str]:

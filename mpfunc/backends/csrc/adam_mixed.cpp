@@ -237,7 +237,8 @@ struct NoOut {
 
 // ---- the vector body ----------------------------------------------------------------------
 // Written with ATen's own Vectorized types, so that loads, stores and the float <->
-// bfloat16/float16 conversions are the very code torch's kernels and Tensor.to run.
+// bfloat16/float16 conversions are the very code torch's kernels and Tensor.to run (but
+// for narrow2's one-instruction bf16 rounding, which gives the same bits).
 
 using fVec = at::vec::Vectorized<float>;
 constexpr std::int64_t kW = fVec::size();
@@ -254,6 +255,31 @@ template <>
 struct VecOf<F16> {
   using T = c10::Half;
 };
+
+// Two float vectors rounded to one vector of X (bf16 or fp16), to nearest even: the bits
+// Tensor.to writes (torch's own conversion). Where the CPU has AVX512_BF16 (the build adds
+// -mavx512bf16 -DMPF_AVX512BF16 then, see _native._isa_flags), bf16 takes vcvtne2ps2bf16,
+// one instruction for torch's ~8 a vector. It rounds to nearest even too, but reads a
+// subnormal input as zero and keeps a NaN's payload where torch writes 0xFFFF, so a block
+// holding either (fpclass: quiet or signalling NaN, subnormal) takes torch's conversion.
+// Measured on Zen 4 (bench.native_builds, one AdamW step of 8M params, 1 thread, thread
+// time): "kahan" + bf16 state 0.87x the time with torch's conversion, "none" + bf16 0.90x,
+// "stochastic" + bf16 0.95x; the fp32-state pairs and the 8-bit ones unchanged.
+template <class X>
+MPF_INLINE at::vec::Vectorized<typename VecOf<X>::T> narrow2(const fVec& a, const fVec& b) {
+#if defined(MPF_AVX512BF16) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<X, BF16>) {
+    constexpr int kSpecial = 0x01 | 0x20 | 0x80;  // QNaN, subnormal, SNaN
+    const __mmask16 odd = _mm512_fpclass_ps_mask(__m512(a), kSpecial) |
+                          _mm512_fpclass_ps_mask(__m512(b), kSpecial);
+    if (__builtin_expect(odd == 0, 1)) {
+      return at::vec::Vectorized<c10::BFloat16>(
+          (__m512i)_mm512_cvtne2ps_pbh(__m512(b), __m512(a)));  // a: lanes 0..15
+    }
+  }
+#endif
+  return at::vec::convert_from_float<typename VecOf<X>::T>(a, b);
+}
 
 // Two float vectors from kBlock elements (`count` of them valid, the rest zeros).
 template <class X, bool kFull>
@@ -286,7 +312,7 @@ MPF_INLINE void store2(void* p, std::int64_t count, const fVec& a, const fVec& b
       if (count > kW) b.store(f + kW, count - kW);
     }
   } else {
-    const auto x = at::vec::convert_from_float<typename VecOf<X>::T>(a, b);
+    const auto x = narrow2<X>(a, b);
     if constexpr (kFull) {
       x.store(p);
     } else {
@@ -301,7 +327,7 @@ MPF_INLINE void store2(void* p, std::int64_t count, const fVec& a, const fVec& b
 // to the vector; run_range checks that once per range.
 template <class X>
 MPF_INLINE void stream2(void* p, const fVec& a, const fVec& b) {
-  const auto x = at::vec::convert_from_float<typename VecOf<X>::T>(a, b);
+  const auto x = narrow2<X>(a, b);
 #if defined(CPU_CAPABILITY_AVX512)
   _mm512_stream_si512(static_cast<__m512i*>(p), __m512i(x));
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -345,7 +371,7 @@ MPF_INLINE void refresh(const void* out, std::int64_t count, fVec& p0, fVec& p1)
   fVec r0 = p0, r1 = p1;
   if constexpr (!std::is_same_v<O, F32>) {
     using T = typename VecOf<O>::T;
-    std::tie(r0, r1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(p0, p1));
+    std::tie(r0, r1) = at::vec::convert_to_float<T>(narrow2<O>(p0, p1));
   }
   // Differ: unequal (a NaN compares unequal), unless both are NaN (then the master
   // keeps its own NaN's bits). x ^ (both NaN) clears exactly that case.
@@ -1322,7 +1348,7 @@ void store_kahan(const CLeaf& L, std::int64_t b, std::int64_t e, const float* sr
   fVec x0, x1, r0, r1;
   for (; i + kBlock <= n; i += kBlock) {
     load2<F32, true>(src + i, kBlock, x0, x1);
-    const auto p = at::vec::convert_from_float<T>(x0, x1);
+    const auto p = narrow2<X>(x0, x1);
     std::tie(r0, r1) = at::vec::convert_to_float<T>(p);
     p.store(P + i);
     store2<X, true>(C + i, kBlock, x0 - r0, x1 - r1);
@@ -1500,7 +1526,7 @@ struct SKahan {  // param + compensation; store_kahan's block
   static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& x0, const fVec& x1,
                                u32) {
     using T = typename VecOf<X>::T;
-    const auto p = at::vec::convert_from_float<T>(x0, x1);
+    const auto p = narrow2<X>(x0, x1);
     fVec r0, r1;
     std::tie(r0, r1) = at::vec::convert_to_float<T>(p);
     p.store(static_cast<u16*>(L.prim) + i);
