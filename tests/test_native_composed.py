@@ -347,7 +347,25 @@ def test_native_refuses_wrong_4bit_codes_before_writing(native: Any) -> None:
 # reads subnormal inputs as zero and keeps NaN payloads; blocks holding either must take
 # torch's conversion. Values that land on them in every bf16 store of a pass: params and
 # masters ("none", "kahan", "fp32"'s rounded params), Kahan compensations, bf16 moments.
-_TINY = [1e-39, -3e-40, 2.0**-130, float("nan"), -float("nan"), 5e-41, 0.0, -0.0]
+# As bits, so that no float conversion flushes them under denormals-are-zero. Subnormals
+# (1e-39, -3e-40, 2**-130, 5e-41, and 0x007FFFFF, the largest, which rounds up to bf16's
+# smallest normal) with zeros, and apart from them, in another 32-element block (a NaN in
+# a block sends the whole block to torch's conversion), NaNs with payloads.
+_SUBNORMAL_BITS = [0x000AE398, 0x80034447, 0x00080000, 0x00008B61, 0x00000000, 0x80000000,
+                   0x007FFFFF]  # fmt: skip
+_NAN_BITS = [0x7FC00000, 0xFFC00001, 0x7FA00001]
+
+
+def _bits(values: list[int]) -> torch.Tensor:
+    signed = [b - (1 << 32) if b >= 1 << 31 else b for b in values]
+    return torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+
+
+def _place_tiny(x: torch.Tensor, where: int) -> None:
+    """The subnormals at ``where``, the NaNs 40 places on (mod 80): in another block."""
+    x[where : where + len(_SUBNORMAL_BITS)] = _bits(_SUBNORMAL_BITS)
+    nan_at = (where + 40) % 80
+    x[nan_at : nan_at + len(_NAN_BITS)] = _bits(_NAN_BITS)
 
 
 @pytest.mark.parametrize(
@@ -356,20 +374,44 @@ _TINY = [1e-39, -3e-40, 2.0**-130, float("nan"), -float("nan"), 5e-41, 0.0, -0.0
      ("stochastic", torch.bfloat16), ("fp32", torch.bfloat16), ("fp32", None)],
 )  # fmt: skip
 @pytest.mark.parametrize("where", [0, 17, 63])  # a block's first lane, its second half, a tail
+@pytest.mark.parametrize("daz", [False, True], ids=["", "denormals-are-zero"])
 def test_native_bf16_rounding_keeps_subnormals_and_nan(
-    composed: list[int], strategy: str, state_dtype: Any, where: int
+    composed: list[int], strategy: str, state_dtype: Any, where: int, daz: bool
 ) -> None:
-    """Bits equal the torch path's, NaN payloads included (torch writes 0xFFFF)."""
+    """Bits equal the torch path's, NaN payloads included (torch writes 0xFFFF), also with
+    the CPU's denormals-are-zero flag on (``torch.set_flush_denormal``), under which the
+    arithmetic reads subnormals as zero on both paths but torch's bf16 conversion, on the
+    bits, still rounds them. That flag is per thread: it is set on this one, and torch's
+    pool threads, started earlier without it, would run torch's fused kernel on flushed
+    and unflushed values alike, so the flagged case runs on one thread."""
+    threads = torch.get_num_threads()
+    if daz:
+        torch.set_num_threads(1)
+        if not torch.set_flush_denormal(True):
+            torch.set_num_threads(threads)
+            pytest.skip("this CPU has no denormals-are-zero flag")
+    try:
+        _bf16_rounding_case(composed, strategy, state_dtype, where)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+
+
+def _bf16_rounding_case(composed: list[int], strategy: str, state_dtype: Any, where: int) -> None:
 
     def run(impl: str) -> Any:
         gen = torch.Generator().manual_seed(where)
         base = torch.randn(96, generator=gen)
         p = base.clone()
-        p[where : where + len(_TINY)] = torch.tensor(_TINY)
+        _place_tiny(p, where)
         params = {"w": p.to(torch.bfloat16)}
         masters = mpfunc.init_master(params, strategy=strategy, seed=1)
-        if strategy == "fp32":  # subnormal masters, whose rounded params are subnormal
-            masters["w"][where : where + len(_TINY)] = torch.tensor(_TINY)
+        if strategy == "fp32":
+            # Subnormal masters and their params (Tensor.to's rounding of them), so that the
+            # pass's refresh check rounds them as they are, before any arithmetic (which
+            # reads them as zero under denormals-are-zero).
+            _place_tiny(masters["w"], where)
+            params["w"].copy_(masters["w"].to(torch.bfloat16))
         opt = mpfunc.adamw(lr=1e-3, weight_decay=0.0, state_dtype=state_dtype, impl=impl)
         state = opt.init(masters)
         kw: dict[str, Any] = {"params": params} if strategy == "fp32" else {}

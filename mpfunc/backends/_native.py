@@ -165,12 +165,39 @@ def _has_avx512_bf16() -> bool:
             has = False
     if not has:
         return False
-    probe = [_compiler(), "-mavx512bf16", "-E", "-x", "c++", os.devnull]
+    # Compiled and assembled, not only preprocessed: a compiler that takes the flag with an
+    # assembler that lacks the instruction would otherwise fail the whole kernel's build.
+    # The probe takes ~0.4 s, so its answer is kept in the cache folder, per compiler file.
+    compiler = shutil.which(_compiler()) or _compiler()
     try:
-        done = subprocess.run(probe, capture_output=True, timeout=60, check=False)
+        stamp = os.stat(compiler).st_mtime_ns
+    except OSError:
+        stamp = 0
+    tag = hashlib.sha256(f"{compiler}\0{stamp}".encode()).hexdigest()[:16]
+    marker = cache_dir() / f"avx512bf16_probe_{tag}"
+    with contextlib.suppress(OSError):
+        return marker.read_text() == "1"
+    probe = [compiler, "-mavx512f", "-mavx512bf16", "-O0", "-c", "-x", "c++", "-"]
+    try:
+        done = subprocess.run(
+            [*probe, "-o", os.devnull],
+            input=_BF16_PROBE,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return False
-    return done.returncode == 0
+    ok = done.returncode == 0
+    with contextlib.suppress(OSError):
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("1" if ok else "0")
+    return ok
+
+
+_BF16_PROBE = b"""#include <immintrin.h>
+__m512i f(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+"""
 
 
 def _cflags() -> list[str]:
@@ -412,7 +439,8 @@ _cache_looked = False
 
 def key_function() -> Any:
     """The built module's ``meta_key`` (the memo key of a list of leaves, see
-    ``_cache.leaf_keys``), or ``None``. Never builds; but where this build is in the cache
+    ``_cache.leaf_keys``), or ``None``. Never builds (on an AVX512_BF16 CPU it may run the
+    flag's compiler probe once, ``_has_avx512_bf16``); but where this build is in the cache
     already, loads it (once, ~0.1 s) the first time a key is asked for: keys made before
     the module loads (in Python) never equal keys made after (in C++), so a process whose
     first step loaded the module would check its second step in full again (3-4 s at

@@ -24,7 +24,8 @@
 //     exp_avg_sq rounding, and its lerp's sign of zero at beta1 == 0); so do we.
 //     Found by testing torch 2.9's kernels against each candidate, bit for bit.
 //   * the vector loop uses ATen's own Vectorized types, so the float <-> bfloat16/float16
-//     conversions are the code Tensor.to runs; the scalar tail's conversions are written
+//     conversions are the code Tensor.to runs (or, for bf16 on CPUs with AVX512_BF16, one
+//     instruction with the same bits: narrow2); the scalar tail's conversions are written
 //     here and agree with Tensor.to on all 2**32 float32 patterns (round to nearest even;
 //     bf16 NaN -> 0xFFFF or 0x7FC0 as torch writes it; fp16 NaN -> vcvtps2ph's quiet NaN).
 //   * amsgrad's running max follows the vector `maximum` (NaN wins) in the body and
@@ -261,7 +262,13 @@ struct VecOf<F16> {
 // -mavx512bf16 -DMPF_AVX512BF16 then, see _native._isa_flags), bf16 takes vcvtne2ps2bf16,
 // one instruction for torch's ~8 a vector. It rounds to nearest even too, but reads a
 // subnormal input as zero and keeps a NaN's payload where torch writes 0xFFFF, so a block
-// holding either (fpclass: quiet or signalling NaN, subnormal) takes torch's conversion.
+// holding either takes torch's conversion. vfpclassps finds them; with the CPU's
+// denormals-are-zero flag on (torch.set_flush_denormal(True), or a library built with
+// -ffast-math loaded) it classifies a subnormal as a zero, while torch's conversion, on the
+// bits, still rounds it: so zeros are sent to torch's conversion too. (A test of the bits
+// instead, two compares a vector more, cost the whole gain: kahan + bf16 0.94x the old
+// build's time against 0.79x.) Blocks with an exact zero (a moment that never moved, a
+// compensation at a bf16 value) lose the gain, not the bits.
 // Measured on Zen 4 (bench.native_builds, one AdamW step of 8M params, 1 thread, thread
 // time): "kahan" + bf16 state 0.87x the time with torch's conversion, "none" + bf16 0.90x,
 // "stochastic" + bf16 0.95x; the fp32-state pairs and the 8-bit ones unchanged.
@@ -269,7 +276,7 @@ template <class X>
 MPF_INLINE at::vec::Vectorized<typename VecOf<X>::T> narrow2(const fVec& a, const fVec& b) {
 #if defined(MPF_AVX512BF16) && defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<X, BF16>) {
-    constexpr int kSpecial = 0x01 | 0x20 | 0x80;  // QNaN, subnormal, SNaN
+    constexpr int kSpecial = 0x01 | 0x02 | 0x04 | 0x20 | 0x80;  // QNaN, +0, -0, subnormal, SNaN
     const __mmask16 odd = _mm512_fpclass_ps_mask(__m512(a), kSpecial) |
                           _mm512_fpclass_ps_mask(__m512(b), kSpecial);
     if (__builtin_expect(odd == 0, 1)) {
