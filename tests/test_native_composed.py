@@ -398,7 +398,6 @@ def test_native_bf16_rounding_keeps_subnormals_and_nan(
 
 
 def _bf16_rounding_case(composed: list[int], strategy: str, state_dtype: Any, where: int) -> None:
-
     def run(impl: str) -> Any:
         gen = torch.Generator().manual_seed(where)
         base = torch.randn(96, generator=gen)

@@ -275,9 +275,9 @@ def _unpack_ops(xb: Any, builder: Any, ties: Any, shape: tuple[int, ...]) -> Any
     """``unpack_ties`` as XLA ops: u8 of ``tie_shape`` -> s32 0/1 values of ``shape``.
 
     Each bit is read with a mask (``byte & 2**j``), not a shift: the builder's one right
-    shift is misspelt (see ``_split_ops``), and a division by the per-bit power, which
-    the first version used, is an integer division by a variable that XLA:CPU runs
-    scalar: it made a ``"remainder"`` step 3x slower there (27.8 ms against 8.3 on one leaf of 3.3M
+    shift is misspelt (see ``_split_ops``), and a division by the per-bit power, which the
+    first version used, is an integer division by a variable that XLA:CPU runs scalar: it
+    made a ``"remainder"`` step 3x slower there (27.8 ms against 8.3 on one leaf of 3.3M
     elements)."""
     rows, n = list(shape[:-1]), (shape[-1] if shape else 1)
     c = (n + 7) // 8

@@ -270,8 +270,8 @@ struct VecOf<F16> {
 // build's time against 0.79x.) Blocks with an exact zero (a moment that never moved, a
 // compensation at a bf16 value) lose the gain, not the bits.
 // Measured on Zen 4 (bench.native_builds, one AdamW step of 8M params, 1 thread, thread
-// time): "kahan" + bf16 state 0.87x the time with torch's conversion, "none" + bf16 0.90x,
-// "stochastic" + bf16 0.95x; the fp32-state pairs and the 8-bit ones unchanged.
+// time, 15 rounds): "kahan" + bf16 state 0.86x the time with torch's conversion, "none" +
+// bf16 0.87x, "stochastic" + bf16 0.81x; the fp32-state pairs and the 8-bit ones unchanged.
 template <class X>
 MPF_INLINE at::vec::Vectorized<typename VecOf<X>::T> narrow2(const fVec& a, const fVec& b) {
 #if defined(MPF_AVX512BF16) && defined(CPU_CAPABILITY_AVX512)
