@@ -32,6 +32,7 @@ from mpfunc.checkpoint._state_dict import (
     remainders_state_dict,
     state_dict,
 )
+from mpfunc.core._consumed_grad import ConsumedGrad
 from mpfunc.core._optimizer import Optimizer
 from mpfunc.optim._adam import AdamState, adam, adamw
 from mpfunc.optim._lion import LionState, lion
@@ -68,6 +69,7 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare
 
 __all__ = [
     "AdamState",
+    "ConsumedGrad",
     "DynamicLossScale",
     "KahanMaster",
     "LionState",

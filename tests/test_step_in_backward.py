@@ -392,6 +392,120 @@ def test_global_norm_clip_is_refused(fn: Any) -> None:
     fn([p.grad for p in net.parameters()], 1.0)  # no step pending: nothing freed, no error
 
 
+_FREED = r"its grad was used and freed by the step inside backward"
+
+
+def _consumed_run(functional: bool) -> tuple[Net, Any, Any]:
+    """A net whose backward stepped every leaf inside backward (MasterOptimizer or the
+    functional handle): ``(net, end, snapshot of params, masters and state)``."""
+    net = make_net()
+    params = [p for p in net.parameters()]
+    if functional:
+        masters = mpfunc.init_master(params)
+        o = mpfunc.adamw(lr=1e-2)
+        state = o.init(masters)
+        handle = mpfunc.step_in_backward(params, masters, state, o)
+        loss_of(net, 0).backward()
+        return net, handle.end_step, (params, masters, state)
+    opt = mpfunc.MasterOptimizer(params, step_in_backward=True, lr=1e-2)
+    loss_of(net, 0).backward()
+    return net, opt.step, (params, opt.state_dict())
+
+
+_CLIPS = [
+    lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
+    lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=False),
+    lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.1),
+    lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]),
+]
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["MasterOptimizer", "handle"])
+@pytest.mark.parametrize(
+    "clip",
+    _CLIPS,
+    ids=["clip_grad_norm_", "for-loop", "clip_grad_value_", "get_total_norm"],
+)
+def test_torch_clip_after_the_step_in_backward_is_refused(functional: bool, clip: Any) -> None:
+    """torch's own clips over grads the step inside backward used: a clear error naming the
+    param, not a clip of nothing (with None grads, clip_grad_norm_ returned 0 and clipped
+    nothing, silently; HF's Trainer calls it by default). After the step ends the grads are
+    None again and clip_grad_norm_ is the no-op it always was. (With torch_xla imported, as
+    in this suite, clip_grad_norm_ is torch_xla's, which refuses foreach=True itself.)"""
+    if clip is _CLIPS[3] and not hasattr(torch.nn.utils, "get_total_norm"):
+        pytest.skip("torch.nn.utils.get_total_norm is new in torch 2.6")
+    net, end, trees = _consumed_run(functional)
+    params = list(net.parameters())
+    assert all(isinstance(p.grad, mpfunc.ConsumedGrad) for p in params if p.grad is not None)
+    snap = snapshot(trees)
+    with pytest.raises(RuntimeError, match=_FREED + r".*clip_grad_norm_.*max_grad_norm=0"):
+        clip(params)
+    assert_unchanged(trees, snap)
+    end()
+    assert all(p.grad is None for p in params)
+    if clip in _CLIPS[:2]:  # (torch's other two fail on a tree without grads)
+        clip(params)  # the step ended: no grads, nothing to refuse
+
+
+def test_consumed_grad_holds_no_memory_and_keeps_the_grads_metadata() -> None:
+    net, end, _ = _consumed_run(False)
+    w = net.lin.weight
+    g = w.grad
+    assert isinstance(g, mpfunc.ConsumedGrad)
+    assert (g.shape, g.dtype, g.device) == (w.shape, w.dtype, w.device)
+    assert "ConsumedGrad(param_groups[0]" in repr(g) and "freed" in repr(g)
+    assert g.data_ptr() == 0  # no storage: the grad's memory is free
+    with pytest.raises(RuntimeError, match=_FREED):
+        g.float()
+    with pytest.raises(RuntimeError, match=_FREED):
+        g.clone()
+    with pytest.raises(RuntimeError, match=_FREED):
+        torch.save(g, "/dev/null")
+    assert isinstance(g.detach(), mpfunc.ConsumedGrad)  # clip functions detach first
+    hand = net.unused.weight  # a param without a grad in this backward gets one by hand
+    hand.grad = torch.ones_like(hand)
+    torch.optim.Optimizer.zero_grad(_Params([w, hand]), set_to_none=False)  # type: ignore[arg-type]
+    torch.optim.Optimizer.zero_grad(_Params([w, hand], foreach=True), set_to_none=False)  # type: ignore[arg-type]
+    assert isinstance(w.grad, mpfunc.ConsumedGrad) and not hand.grad.any()
+    hand.grad = None
+    end()
+    assert w.grad is None
+
+
+class _Params:
+    """The least torch.optim.Optimizer.zero_grad reads: param_groups and defaults."""
+
+    def __init__(self, params: list[torch.Tensor], foreach: bool = False) -> None:
+        self.param_groups = [{"params": params, "foreach": foreach}]
+        self.defaults = {"foreach": foreach}
+        self._zero_grad_profile_name = "zero_grad"
+        self._patch_step_function = lambda: None
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["MasterOptimizer", "handle"])
+def test_consumed_grads_passed_on_are_refused_before_any_write(functional: bool) -> None:
+    """A consumed grad handed to another mpfunc call: a clear error naming its path and
+    the param, before the first write (nothing to read: the step already used it)."""
+    net, end, _ = _consumed_run(functional)
+    params = list(net.parameters())
+    masters = mpfunc.init_master(params)
+    o = mpfunc.adamw(lr=1e-2)
+    state = o.init(masters)
+    g32 = mpfunc.grads_to_fp32([torch.zeros_like(p, dtype=torch.float32) for p in params])
+    trees = (masters, state, g32, params)
+    snap = snapshot(trees)
+    grads = [p.grad for p in params]
+    where = r"param_groups\[0\]\.params\[0\]" if not functional else r"params\.0"
+    with pytest.raises(ValueError, match=r"grads.0.*holds its values.*" + where + ".*freed"):
+        mpfunc.apply_update_(masters, grads, state, o)
+    with pytest.raises(ValueError, match=r"grads.0.*holds its values"):
+        mpfunc.grads_to_fp32_(grads, out=g32)
+    with pytest.raises(ValueError, match=r"already stepped and freed them.*global-norm clip"):
+        mpfunc.clip_by_global_norm_(grads, 1.0)
+    assert_unchanged(trees, snap)
+    end()
+
+
 def test_leftover_grad_and_non_leaf_are_refused() -> None:
     net = make_net()
     loss_of(net, 0).backward()
@@ -448,10 +562,18 @@ def test_functional_handle_keeps_stepping_when_dropped() -> None:
     mpfunc.step_in_backward([w], masters, state, opt)
     gc.collect()
     (w.float() ** 2).sum().backward()
-    assert w.grad is None and float(state.step[0]) == 1.0
+    assert isinstance(w.grad, mpfunc.ConsumedGrad) and float(state.step[0]) == 1.0
 
 
 # --- memory --------------------------------------------------------------------------------
+
+
+def _grad_bytes(p: torch.Tensor) -> int:
+    """The bytes ``p.grad`` holds (a ``ConsumedGrad`` holds none: it has no storage)."""
+    g = p.grad
+    if g is None or isinstance(g, mpfunc.ConsumedGrad):
+        return 0
+    return g.untyped_storage().nbytes()
 
 
 def _peak_live_grads(sib: bool) -> tuple[int, int, int]:
@@ -463,13 +585,13 @@ def _peak_live_grads(sib: bool) -> tuple[int, int, int]:
     peak = [0]
 
     def count(_: torch.Tensor) -> None:  # registered first: sees the grad just completed
-        live = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        live = sum(_grad_bytes(p) for p in params)
         peak[0] = max(peak[0], live)
 
     hooks = [p.register_post_accumulate_grad_hook(count) for p in params]
     opt = mpfunc.MasterOptimizer(params, step_in_backward=sib, lr=1e-2)
     net(torch.randn(8, 64, dtype=torch.bfloat16)).float().square().mean().backward()
-    end = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    end = sum(_grad_bytes(p) for p in params)
     opt.step()
     for h in hooks:
         h.remove()
@@ -520,6 +642,26 @@ def test_xla_one_graph_per_step_and_same_bits(xla_device: torch.device, sd: torc
     assert_all_bits(ref, got)
 
 
+@pytest.mark.xla
+def test_xla_torch_clip_after_the_step_in_backward_is_refused(xla_device: torch.device) -> None:
+    """On XLA too (torch_xla's own clip_grad_norm_ replaces torch's): a clear error, and the
+    step then ends as usual, in one graph."""
+    import torch_xla
+
+    net = make_net(scalar=False, device=xla_device)
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    torch_xla.sync()
+    loss_of(net, 0, xla_device).backward()
+    assert isinstance(net.lin.weight.grad, mpfunc.ConsumedGrad)
+    assert net.lin.weight.grad.device == xla_device
+    with pytest.raises(RuntimeError, match=_FREED + r".*clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+    assert net.lin.weight.grad is None
+    torch_xla.sync()
+    assert torch.isfinite(net.lin.weight.cpu()).all()
+
+
 def test_frozen_then_unfrozen() -> None:
     """A param frozen when hooked cannot carry a hook: MasterOptimizer.step() steps its late
     grad after the backward (the same bits); the functional handle refuses it at end_step."""
@@ -561,7 +703,8 @@ def test_add_param_group_is_hooked() -> None:
         for net, opt in zip(nets, opts):
             loss_of(net, k).backward()
             if opt._in_backward is not None:
-                assert net.lin.weight.grad is None  # stepped by its hook
+                # stepped by its hook: the grad is freed
+                assert isinstance(net.lin.weight.grad, mpfunc.ConsumedGrad)
             opt.step()
             opt.zero_grad()
     assert_all_bits(

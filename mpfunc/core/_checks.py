@@ -23,6 +23,7 @@ from optree import PyTreeSpec
 
 from mpfunc.core import _cache, _dtensor, _tree
 from mpfunc.core._compile import compiling, func_transform_active
+from mpfunc.core._consumed_grad import ConsumedGrad
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -349,6 +350,25 @@ def tensor_leaves(
     return side, spec
 
 
+def check_not_consumed(fn: str, side: Side) -> None:
+    """No leaf is a ``ConsumedGrad``: the ``.grad`` a param holds after the step inside
+    backward stepped its leaf, which has no values (reading them raises partway through a
+    call, after other leaves were written). One pass over the leaves' types, in C."""
+    if ConsumedGrad not in set(map(type, side.leaves)):
+        return
+    for i, g in enumerate(side.leaves):
+        if isinstance(g, ConsumedGrad):
+            fail(
+                ValueError,
+                fn,
+                side.path(i),
+                "a tensor that holds its values",
+                f"the grad of {g.leaf}, used and freed by the step inside backward",
+                f"That leaf already stepped inside backward; {g.end} ends the step (and sets "
+                "the grad to None)",
+            )
+
+
 def check_not_differentiated(fn: str, side: Side, of: Callable[[Any], Any] | None = None) -> None:
     """Refuses tensors that a torch.func transform is differentiating. mpfunc's results are
     detached, so ``torch.func.grad`` through a transform would return all-zero grads
@@ -375,7 +395,7 @@ def check_not_differentiated(fn: str, side: Side, of: Callable[[Any], Any] | Non
 
 def check_dense(fn: str, side: Side) -> None:
     """Every leaf of ``side`` is ``None`` or a dense (strided) tensor whose storage holds
-    its elements (``check_storage``).
+    its elements (``check_storage``), and none is a ``ConsumedGrad`` (``check_not_consumed``).
 
     Remembered by the leaves' memo keys (below): a loop passes the same tensors at every
     step, and reading each storage's size costs several times a key."""
@@ -386,6 +406,7 @@ def check_dense(fn: str, side: Side) -> None:
     for leaf in side.leaves:
         if leaf is not None and not (isinstance(leaf, torch.Tensor) and leaf.layout is strided):
             _explain_leaves(fn, side)
+    check_not_consumed(fn, side)
     check_storage(fn, side)
     if key is not None:
         _cache.remember(key)

@@ -33,8 +33,9 @@ def _check_max_norm(fn: str, max_norm: object) -> MaxNorm:
 
 def _checked(fn: str, g32: Any, max_norm: object) -> tuple[list[Any], Any, MaxNorm]:
     max_norm = _check_max_norm(fn, max_norm)
-    side, spec = _checks.tensor_leaves(fn, "grads", g32)
-    _step_in_backward.refuse_clip(fn, side.leaves)  # grads the step inside backward freed
+    flat = _tree.flatten(g32)
+    _step_in_backward.refuse_clip(fn, flat[0])  # grads the step inside backward freed
+    side, spec = _checks.tensor_leaves(fn, "grads", g32, flat)
     _checks.check_leaf_dtypes(fn, side, _checks.FLOAT_DTYPES, "a floating-point grad")
     if fn.endswith("_"):  # the in-place twin writes the grads
         _checks.check_writable(fn, [side])

@@ -3,9 +3,12 @@
 ``loss.backward()`` completes the grads one param at a time. A hook registered with
 ``Tensor.register_post_accumulate_grad_hook`` runs as soon as a param's grad is complete;
 there the leaf is stepped alone (``apply_update_`` on one-leaf trees: the same checks,
-strategies, state formats, kernels and back ends as the whole step) and its grad freed
-(``param.grad = None``). The full grad tree never exists: the grads alive at any time are
-the ones autograd is still summing, and at most one finished grad.
+strategies, state formats, kernels and back ends as the whole step) and its grad freed:
+``param.grad`` becomes a ``ConsumedGrad`` (no memory; reading its values raises, naming
+the param, so a ``torch.nn.utils.clip_grad_norm_`` after the backward is an error and not
+a clip of nothing) until the step ends, then ``None``. The full grad tree never exists:
+the grads alive at any time are the ones autograd is still summing, and at most one
+finished grad.
 
 A leaf stepped alone gives the bits the whole step gives it, because every optimizer here
 is elementwise: each leaf's update reads only its own master, grad, state and step count.
@@ -30,7 +33,8 @@ from typing import Any
 
 import torch
 
-from mpfunc.core import _checks, _tree
+from mpfunc.core import _checks, _consumed_grad, _tree
+from mpfunc.core._consumed_grad import ConsumedGrad
 from mpfunc.core._optimizer import Optimizer, Step, Work
 from mpfunc.strategies import _strategy
 from mpfunc.transforms import _loss_scale
@@ -41,17 +45,8 @@ __all__ = ["StepInBackward", "step_in_backward"]
 _FN = "step_in_backward"
 
 # Why each whole-tree feature is refused, and what to do instead (one wording for both APIs).
-WHOLE_TREE = (
-    "each leaf steps inside backward as soon as its own grad is complete, before the other "
-    "grads exist"
-)
-_SECOND_BACKWARD = (
-    "{where}: {leaf} received a second grad before the step ended ({end}): it has already "
-    "stepped (and its grad was freed) in this step's backward. Gradient accumulation "
-    "across micro-batches and a second backward (retain_graph=True) cannot work with the "
-    "step inside backward, because " + WHOLE_TREE + ". Call {end} after every backward, or "
-    "accumulate without step_in_backward"
-)
+WHOLE_TREE = _consumed_grad.WHOLE_TREE
+_SECOND_BACKWARD = _consumed_grad.SECOND_BACKWARD
 
 
 def _salted(opt: Optimizer, place: int) -> Optimizer:
@@ -86,16 +81,18 @@ _LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()
 
 
 def refuse_clip(fn: str, leaves: list[Any]) -> None:
-    """Raises when ``fn`` (a global-norm clip) gets only ``None`` grads while hooks of the
-    step inside backward have stepped leaves and freed their grads in this step: clipping
-    then would silently clip nothing."""
-    if (
+    """Raises when ``fn`` (a global-norm clip) gets grads the step inside backward used and
+    freed (``ConsumedGrad``), or only ``None`` grads while its hooks have stepped leaves in
+    this step (grads set to ``None`` by hand): clipping then would silently clip nothing."""
+    consumed = ConsumedGrad in set(map(type, leaves))
+    if consumed or (
         leaves
         and all(g is None for g in leaves)
         and any(h.handles and h.stepped for h in list(_LIVE))
     ):
+        got = "ConsumedGrad leaves" if consumed else "None for every leaf"
         raise ValueError(
-            f"{fn}: grads: expected grads, got None for every leaf: the step inside backward "
+            f"{fn}: grads: expected grads, got {got}: the step inside backward "
             f"(step_in_backward) has already stepped and freed them. A global-norm clip "
             f"needs the norm of every grad before any leaf steps, but {WHOLE_TREE}. Clip "
             "without step_in_backward (the ordinary step), or train without the clip"
@@ -121,9 +118,12 @@ class Hooks:
         self.handles: list[Any] = []
         self.stepped: set[int] = set()
         self.begun = False  # the step's once-per-step work is done
+        # The params whose .grad holds a ConsumedGrad until the step ends (weakly).
+        self.consumed: list[weakref.ref[torch.Tensor]] = []
         # Removes the hooks when this object is collected (it holds no param, and the
-        # hooks hold it weakly): never a hook left stepping for a dead optimizer.
-        self._finalizer = weakref.finalize(self, _remove, self.handles)
+        # hooks hold it weakly): never a hook left stepping for a dead optimizer, nor a
+        # ConsumedGrad left for the next backward to add to.
+        self._finalizer = weakref.finalize(self, _remove, self.handles, self.consumed)
         _LIVE.add(self)
 
     def watch(self, j: int, p: torch.Tensor) -> None:
@@ -147,15 +147,33 @@ class Hooks:
     def removed(self) -> bool:
         return not self.handles
 
+    def consume(self, p: torch.Tensor, where: str, leaf: str, end: str) -> None:
+        """Frees ``p``'s grad, its leaf stepped: ``p.grad`` becomes a ``ConsumedGrad`` (no
+        memory; reading it raises, naming ``leaf``) until ``end()``."""
+        p.grad = ConsumedGrad(p, where, leaf, end)
+        self.consumed.append(weakref.ref(p))
+
     def end(self) -> None:
         self.stepped = set()
         self.begun = False
+        _release(self.consumed)
 
 
-def _remove(handles: list[Any]) -> None:
+def _release(consumed: list[weakref.ref[torch.Tensor]]) -> None:
+    """Sets each consumed grad back to ``None`` (a grad the user replaced is kept)."""
+    for ref in consumed:
+        p = ref()
+        if p is not None and isinstance(p.grad, ConsumedGrad):
+            p.grad = None
+    consumed.clear()
+
+
+def _remove(handles: list[Any], consumed: list[weakref.ref[torch.Tensor]] | None = None) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+    if consumed is not None:
+        _release(consumed)
 
 
 def check_param(fn: str, path: str, p: torch.Tensor) -> None:
@@ -265,7 +283,8 @@ class StepInBackward:
                 params=self._params_tree, scale=self._scale,
                 stats=self._stats_tree,
             )  # fmt: skip
-        p.grad = None  # the point: this grad's memory is free before the next one completes
+        # The point: this grad's memory is free before the next one completes.
+        self._hooks.consume(p, _FN, self._paths[j], "handle.end_step()")
         self._hooks.stepped.add(j)
 
     def end_step(self) -> None:
@@ -429,7 +448,7 @@ def optimizer_leaf(opt: Any, j: int, p: torch.Tensor) -> None:
         [master], [p.grad], one_leaf_state(state, list(state), j), _salted(sub, j),
         params=[p],
     )  # fmt: skip
-    p.grad = None
+    hooks.consume(p, _OPT, opt._names[j], "opt.step()")
     opt._versions[j] = p._version
     opt._master_versions[j] = master._version if isinstance(master, torch.Tensor) else -1
     hooks.stepped.add(j)
