@@ -5,6 +5,7 @@ the refusals; hooks removed; live grad bytes during backward; one XLA graph per 
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 from typing import Any
@@ -455,8 +456,9 @@ def test_consumed_grad_holds_no_memory_and_keeps_the_grads_metadata() -> None:
     assert (g.shape, g.dtype, g.device) == (w.shape, w.dtype, w.device)
     assert "ConsumedGrad(param_groups[0]" in repr(g) and "freed" in repr(g)
     assert g.data_ptr() == 0  # no storage: the grad's memory is free
+    assert isinstance(g.float(), mpfunc.ConsumedGrad)  # a conversion reads no values
     with pytest.raises(RuntimeError, match=_FREED):
-        g.float()
+        g.float().sum()
     with pytest.raises(RuntimeError, match=_FREED):
         g.clone()
     with pytest.raises(RuntimeError, match=_FREED):
@@ -470,6 +472,66 @@ def test_consumed_grad_holds_no_memory_and_keeps_the_grads_metadata() -> None:
     hand.grad = None
     end()
     assert w.grad is None
+
+
+def test_consumed_grad_interfaces_that_bypass_dispatch_raise() -> None:
+    """DLPack and the CUDA array interface reach the memory without __torch_dispatch__: a
+    consumer would read memory the grad does not hold (numpy read garbage; a round trip
+    through to_dlpack crashed). They raise like every other read."""
+    np = pytest.importorskip("numpy")
+    net, end, _ = _consumed_run(False)
+    g = net.lin.weight.grad
+    for read in (
+        lambda: np.from_dlpack(g),
+        lambda: torch.from_dlpack(g),
+        lambda: g.__dlpack__(),
+        lambda: g.__cuda_array_interface__,
+        lambda: np.asarray(g),
+    ):
+        with pytest.raises(RuntimeError, match=_FREED):
+            read()
+    end()
+
+
+def test_consumed_grad_follows_the_params_layout_conversion_and_copies() -> None:
+    """Habits between the backward and the step that read no grad values keep working:
+    model.to(dtype) converts each grad (here a marker of the new dtype), deepcopy of plain
+    tensors gives the copies no grad, and the marker has the param's strides."""
+    net, end, _ = _consumed_run(False)
+    lin2 = net.lin2.weight  # column-major
+    assert lin2.grad.stride() == lin2.stride() != lin2.contiguous().stride()
+    net.to(torch.float32)
+    assert isinstance(net.lin.weight.grad, mpfunc.ConsumedGrad)
+    assert net.lin.weight.grad.dtype == torch.float32
+    end()
+    assert net.lin.weight.grad is None
+    w = torch.randn(40, dtype=torch.bfloat16, requires_grad=True)
+    masters = mpfunc.init_master([w])
+    o = mpfunc.adamw(lr=1e-2)
+    with mpfunc.step_in_backward([w], masters, o.init(masters), o) as handle:
+        (w.float() ** 2).sum().backward()
+        (copy_w,) = copy.deepcopy([w])
+        assert copy_w.grad is None and torch.equal(copy_w, w)
+        handle.end_step()
+
+
+def test_a_step_left_open_after_an_error_says_so() -> None:
+    """A refused clip between the backward and opt.step() leaves the step open (its leaves
+    stepped); model.zero_grad() does not end it. The next backward's error says to call
+    opt.step(), which ends it, and training goes on. A new optimizer over those params
+    before then is refused with the same advice."""
+    net, end, _ = _consumed_run(False)
+    with pytest.raises(RuntimeError, match=_FREED + r".*This step's updates are already"):
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    with pytest.raises(ValueError, match=r"has not ended.*call opt.step\(\)"):
+        mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    net.zero_grad()
+    with pytest.raises(RuntimeError, match=r"after every backward, also after an error"):
+        loss_of(net, 1).backward()
+    end()
+    net.zero_grad()
+    loss_of(net, 1).backward()
+    end()
 
 
 class _Params:
@@ -662,6 +724,19 @@ def test_xla_torch_clip_after_the_step_in_backward_is_refused(xla_device: torch.
     assert torch.isfinite(net.lin.weight.cpu()).all()
 
 
+@pytest.mark.xla
+def test_xla_multi_process_run_is_refused(
+    xla_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xmp.spawn runs reduce grads with xm.optimizer_step, without a torch.distributed
+    group: XLA params in a run of several processes are refused as a process group is."""
+    import torch_xla.runtime as xr
+
+    monkeypatch.setattr(xr, "world_size", lambda: 2)
+    _both_refuse(make_net(scalar=False, device=xla_device), r"an XLA run of 2 processes")
+    mpfunc.MasterOptimizer(make_net().parameters(), step_in_backward=True, lr=1e-2).close()
+
+
 def test_frozen_then_unfrozen() -> None:
     """A param frozen when hooked cannot carry a hook: MasterOptimizer.step() steps its late
     grad after the backward (the same bits); the functional handle refuses it at end_step."""
@@ -712,6 +787,19 @@ def test_add_param_group_is_hooked() -> None:
     )
 
 
+def _both_refuse(net: Net, got: str) -> list[torch.Tensor]:
+    """MasterOptimizer(step_in_backward=True) and the functional hooks refuse ``net``'s
+    params in a data parallel run (``got`` names it); returns the params."""
+    with pytest.raises(RuntimeError, match=f"expected a single process, got {got}.*ordinary step"):
+        mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
+    params = list(net.parameters())
+    masters = mpfunc.init_master(params)
+    o = mpfunc.adamw(lr=1e-2)
+    with pytest.raises(RuntimeError, match=f"expected a single process, got {got}"):
+        mpfunc.step_in_backward(params, masters, o.init(masters), o)
+    return params
+
+
 def test_data_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a process group of several ranks the grads are reduced after they accumulate:
     stepping each leaf with this rank's grad would silently drift the replicas apart."""
@@ -720,12 +808,5 @@ def test_data_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("torch.distributed is not available")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
-    net = make_net()
-    with pytest.raises(RuntimeError, match=r"process group of 2 ranks.*ordinary step"):
-        mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=1e-2)
-    params = list(net.parameters())
-    masters = mpfunc.init_master(params)
-    o = mpfunc.adamw(lr=1e-2)
-    with pytest.raises(RuntimeError, match=r"process group of 2 ranks"):
-        mpfunc.step_in_backward(params, masters, o.init(masters), o)
+    params = _both_refuse(make_net(), r"a process group of 2 ranks")
     assert _hooked(params) == 0

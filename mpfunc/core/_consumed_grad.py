@@ -10,8 +10,13 @@ that would read or write values raises an error that names the param and says wh
 step's end (``opt.step()``, ``handle.end_step()``) sets ``.grad`` back to ``None``.
 
 Let through, because they read no values: ``detach`` (clip functions detach first),
-``zero_`` and ``_foreach_zero_`` (``zero_grad(set_to_none=False)``: nothing to zero).
-Metadata (shape, dtype, device) reads as the grad's.
+``zero_`` and ``_foreach_zero_`` (``zero_grad(set_to_none=False)``: nothing to zero),
+``_to_copy`` (``model.to(...)`` converts each ``.grad``: a marker of the new dtype and
+device). ``copy.deepcopy`` of a tensor gives its copy no grad. Metadata (shape, dtype,
+device, strides) reads as the grad's; ``nbytes`` is ``numel * itemsize`` as for every
+tensor, though nothing is held. The DLPack, NumPy and CUDA array interfaces raise (they
+bypass ``__torch_dispatch__``); ``torch.utils.dlpack.to_dlpack`` called on one directly cannot be
+intercepted.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ WHOLE_TREE = (
 _READ = (
     "{where}: {leaf}: its grad was used and freed by the step inside backward "
     "(step_in_backward): the leaf stepped as soon as that grad was complete, so the grad "
-    "cannot be read ({op}) before the step ends ({end}). {why}"
+    "cannot be read ({op}) before the step ends ({end}). {why}. This step's updates are "
+    "already applied: call {end} to end it before the next backward"
 )
 _CLIP = (
     "A global-norm clip (torch.nn.utils.clip_grad_norm_, which HF's Trainer calls when "
@@ -45,10 +51,11 @@ _SCALER = (
 )
 SECOND_BACKWARD = (
     "{where}: {leaf} received a second grad before the step ended ({end}): it has already "
-    "stepped (and its grad was freed) in this step's backward. Gradient accumulation "
-    "across micro-batches and a second backward (retain_graph=True) cannot work with the "
-    "step inside backward, because " + WHOLE_TREE + ". Call {end} after every backward, or "
-    "accumulate without step_in_backward"
+    "stepped (and its grad was freed) in this step's backward. Call {end} after every "
+    "backward, also after an error between the backward and {end} (a refused clip): that "
+    "step's updates are already applied. Gradient accumulation across micro-batches and a "
+    "second backward (retain_graph=True) cannot work with the step inside backward, "
+    "because " + WHOLE_TREE + "; accumulate without step_in_backward"
 )
 # Operations that read no values (see the module docstring).
 _ALLOWED_NO_OP = ("aten::zero_", "aten::_foreach_zero_")
@@ -69,8 +76,21 @@ class ConsumedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, where: str, leaf: str, end: str) -> ConsumedGrad:
+        return cls._make(like.shape, like.stride(), like.dtype, like.device, where, leaf, end)
+
+    @classmethod
+    def _make(
+        cls,
+        shape: torch.Size,
+        strides: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        where: str,
+        leaf: str,
+        end: str,
+    ) -> ConsumedGrad:
         out = torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
+            cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=False
         )
         out._where, out._leaf, out._end = where, leaf, end
         return out
@@ -79,6 +99,9 @@ class ConsumedGrad(torch.Tensor):
         pass
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def _names(self) -> tuple[str, str, str]:
+        return self._where, self._leaf, self._end
 
     @property
     def leaf(self) -> str:
@@ -104,7 +127,12 @@ class ConsumedGrad(torch.Tensor):
         name = func._schema.name
         marker = _first_marker(args)
         if name == "aten::detach":
-            return cls(marker, marker._where, marker._leaf, marker._end)
+            return cls(marker, *marker._names())
+        if name == "aten::_to_copy":  # model.to(dtype or device): the grad converted too
+            kw = kwargs or {}
+            dtype = kw.get("dtype") or marker.dtype
+            device = kw.get("device") or marker.device
+            return cls._make(marker.shape, marker.stride(), dtype, device, *marker._names())
         if name in _ALLOWED_NO_OP:
             # zero_grad(set_to_none=False): zero the real grads beside the markers.
             if name == "aten::zero_":
@@ -127,7 +155,24 @@ class ConsumedGrad(torch.Tensor):
         )
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise RuntimeError(self.message())
+        raise RuntimeError(self.message("pickle"))
+
+    def __deepcopy__(self, memo: Any) -> None:
+        # ``copy.deepcopy`` of a tensor copies its ``.grad`` this way: the copy has none.
+        return None
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self.message("__array__"))
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self.message("__dlpack__"))
+
+    def __dlpack_device__(self) -> Any:
+        raise RuntimeError(self.message("__dlpack_device__"))
+
+    @property
+    def __cuda_array_interface__(self) -> Any:
+        raise RuntimeError(self.message("__cuda_array_interface__"))
 
 
 def _first_marker(args: Any) -> ConsumedGrad:

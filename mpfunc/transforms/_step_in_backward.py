@@ -189,6 +189,13 @@ def check_param(fn: str, path: str, p: torch.Tensor) -> None:
 def check_no_grad(fn: str, path: str, p: torch.Tensor) -> None:
     """No grad waiting in ``p.grad``: the next backward would add to it, and the hook would
     step the sum."""
+    if isinstance(p.grad, ConsumedGrad):
+        _checks.fail(
+            ValueError, fn, path, "a param without a .grad (from optimizer.zero_grad())",
+            f"the grad freed by a step inside backward that has not ended ({p.grad.leaf})",
+            f"Its leaf already stepped in that step: call {p.grad.end} (or close() that "
+            "optimizer, remove() that handle) first",
+        )  # fmt: skip
     if p.grad is not None:
         _checks.fail(
             ValueError, fn, path, "a param without a .grad (from optimizer.zero_grad())",
@@ -198,17 +205,26 @@ def check_no_grad(fn: str, path: str, p: torch.Tensor) -> None:
         )  # fmt: skip
 
 
-def refuse_data_parallel(fn: str) -> None:
-    """Raises in a process group of more than one rank: DDP, FSDP and mpfunc's own
-    reductions average the grads after they accumulate, and the hooks would step each
-    leaf with this rank's grad alone (replicas would silently drift apart)."""
+def refuse_data_parallel(fn: str, params: list[Any]) -> None:
+    """Raises in a process group of more than one rank, or with XLA params in a run of
+    more than one XLA process (``xmp.spawn``, whose ``xm.optimizer_step`` reduces the grads
+    without a torch.distributed group): DDP, FSDP, torch_xla's and mpfunc's own reductions
+    average the grads after they accumulate, and the hooks would step each leaf with this
+    rank's grad alone (replicas would silently drift apart)."""
     dist = torch.distributed
+    ranks = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = f"a process group of {dist.get_world_size()} ranks"
+    elif any(getattr(p, "is_xla", False) for p in params):  # the XLA runtime is up
+        import torch_xla.runtime as xr
+
+        if xr.world_size() > 1:
+            ranks = f"an XLA run of {xr.world_size()} processes"
+    if ranks is not None:
         raise RuntimeError(
-            f"{fn}: expected a single process, got a process group of "
-            f"{dist.get_world_size()} ranks: data parallel training reduces the grads across "
-            f"ranks after they accumulate, but {WHOLE_TREE}, so each rank would step with its "
-            "own grads. Use the ordinary step for data parallel training"
+            f"{fn}: expected a single process, got {ranks}: data parallel training reduces "
+            f"the grads across ranks after they accumulate, but {WHOLE_TREE}, so each rank "
+            "would step with its own grads. Use the ordinary step for data parallel training"
         )
 
 
@@ -360,7 +376,7 @@ def step_in_backward(
     fn = _FN
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{fn}: opt: expected an mpfunc Optimizer, got {_checks.describe(opt)}")
-    refuse_data_parallel(fn)
+    refuse_data_parallel(fn, _tree.flatten(params)[0])
     refuse_dynamic_scale(fn, scale)
     _loss_scale.scale_value(fn, scale)
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
@@ -406,7 +422,7 @@ _OPT = "MasterOptimizer(step_in_backward=True)"
 
 def optimizer_hooks(opt: Any) -> Hooks:
     """Hooks on every param of ``opt`` that can take a grad, held weakly by them."""
-    refuse_data_parallel(_OPT)
+    refuse_data_parallel(_OPT, opt._params)
     hooks = Hooks(opt._step_leaf, strong=False)
     for j in range(len(opt._params)):
         watch_optimizer_param(opt, hooks, j)
