@@ -393,6 +393,8 @@ def _state_fields(
                 if state_dtype is None
                 else _MOMENT._replace(dtypes=(state_dtype,), what=str(state_dtype)),
             )
+        elif _all_right(kind, faces, leaves, state_dtype):
+            continue
         else:
             problem = _state_format.problem
             wants: dict[tuple[torch.dtype, bool], torch.dtype] = {}  # (face dtype, plain)
@@ -413,6 +415,23 @@ def _state_fields(
                 why = problem(kind, x, f, want)
                 if why is not None:
                     _checks.fail(why[0], fn, side.path(i), why[1], why[2], _HINT)
+
+
+def _all_right(
+    kind: str, faces: list[Any], leaves: list[Any], state_dtype: torch.dtype | None
+) -> bool:
+    """A field of an encoded format (``StateFormat.all_right``) right at every leaf, read in
+    bulk: ``None`` exactly where the face is, the rest as the format wants. ``False``: ask
+    each leaf (``_state_fields``' loop names the first at fault)."""
+    fmt = _state_format.chosen(state_dtype)
+    if fmt.all_right is None or len(faces) != len(leaves):
+        return False
+    if [f is None for f in faces] != [x is None for x in leaves]:
+        return False
+    present = [i for i, f in enumerate(faces) if f is not None]
+    if len(present) == len(faces):
+        return fmt.all_right(kind, leaves, faces)
+    return fmt.all_right(kind, [leaves[i] for i in present], [faces[i] for i in present])
 
 
 class Mixed(NamedTuple):

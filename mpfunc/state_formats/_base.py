@@ -10,7 +10,7 @@ import torch
 
 from mpfunc.core import _rng
 
-__all__ = ["Problem", "StateFormat", "keys"]
+__all__ = ["Problem", "StateFormat", "encoded_all_right", "keys"]
 
 # What is wrong with a stored moment: (exception type, expected, got), or ``None``.
 Problem = tuple[type[Exception], str, str] | None
@@ -43,6 +43,12 @@ class StateFormat(NamedTuple):
     where that pass does not take it (torch's kernels run); ``xla`` says whether the XLA
     node (``backends/_xla_kernels``) loads and stores it itself; ``salted`` whether its
     store draws random bits (the native pass then takes each leaf's salt).
+    ``all_right(kind, xs, likes)`` (or ``None``): whether every stored moment of a field
+    is right for its leaf (``problem`` of each would be ``None``), read in one pass of
+    attribute reads compared in bulk (no Python call per leaf: the XLA step, which has no
+    check memo, checks every field every step); ``False`` may be wrong, and then
+    ``problem`` is asked leaf by leaf for the error. Only for formats whose stored dtype is
+    always ``key``. ``xs`` and ``likes`` hold no ``None``.
     """
 
     name: str
@@ -68,6 +74,32 @@ class StateFormat(NamedTuple):
     native: int | None
     xla: bool
     salted: bool
+    all_right: Callable[[str, list[Any], list[torch.Tensor]], bool] | None = None
+
+
+def encoded_all_right(container: type, xs: list[Any], expected: list[tuple[Any, ...]]) -> bool:
+    """``StateFormat.all_right`` of an encoded format: every ``x`` exactly a ``container``
+    (``codes``, ``scale``) whose ``(codes dtype, codes shape, codes device, scale dtype,
+    scale shape)`` is ``expected``'s, the scale on the codes' device, both contiguous."""
+    try:
+        return (
+            set(map(type, xs)) == {container}
+            and [
+                (x.codes.dtype, x.codes.shape, x.codes.device, x.scale.dtype, x.scale.shape)
+                for x in xs
+            ]
+            == expected
+            and all(
+                [
+                    x.scale.device == x.codes.device
+                    and x.codes.is_contiguous()
+                    and x.scale.is_contiguous()
+                    for x in xs
+                ]
+            )
+        )
+    except AttributeError:  # a field that is not a tensor: ``problem`` says which
+        return False
 
 
 def keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:

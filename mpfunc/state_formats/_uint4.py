@@ -27,7 +27,7 @@ import torch
 from mpfunc.core import _checks
 from mpfunc.parallel import _sharding
 from mpfunc.state_formats import _quantize4
-from mpfunc.state_formats._base import Problem, StateFormat, store_codes
+from mpfunc.state_formats._base import Problem, StateFormat, encoded_all_right, store_codes
 from mpfunc.state_formats._quantize4 import Q4State
 
 __all__ = ["FORMAT", "KEY", "Q4State"]
@@ -75,6 +75,15 @@ def _problem(kind: str, x: Any, like: torch.Tensor, dtype: torch.dtype) -> Probl
     if not c.is_contiguous() or not s.is_contiguous():
         return ValueError, "contiguous codes and scales (as opt.init makes them)", "strided"
     return None
+
+
+def _all_right(kind: str, xs: list[Any], likes: list[torch.Tensor]) -> bool:
+    """``_problem`` of every ``(x, like)`` pair is ``None``: the common case in bulk."""
+    want = _quantize4.SIGNED_DTYPE if kind != "square" else _quantize4.UNSIGNED_DTYPE
+    bf16, blocks, packed = _quantize4.SCALE_DTYPE, _quantize4.blocks, _quantize4.packed_bytes
+    sizes = [math.prod(f.shape) for f in likes]
+    expected = [(want, (packed(n),), f.device, bf16, (blocks(n),)) for f, n in zip(likes, sizes)]
+    return encoded_all_right(Q4State, xs, expected)
 
 
 def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
@@ -128,4 +137,5 @@ FORMAT = StateFormat(
     native=3,
     xla=True,
     salted=True,
+    all_right=_all_right,
 )

@@ -18,7 +18,7 @@ import torch
 
 from mpfunc.core import _checks
 from mpfunc.state_formats import _quantize
-from mpfunc.state_formats._base import Problem, StateFormat, store_codes
+from mpfunc.state_formats._base import Problem, StateFormat, encoded_all_right, store_codes
 from mpfunc.state_formats._quantize import QState
 
 __all__ = ["FORMAT", "QState"]
@@ -69,6 +69,14 @@ def _problem(kind: str, x: Any, like: torch.Tensor, dtype: torch.dtype) -> Probl
     if not c.is_contiguous() or not s.is_contiguous():
         return ValueError, "contiguous codes and scales (as opt.init makes them)", "strided"
     return None
+
+
+def _all_right(kind: str, xs: list[Any], likes: list[torch.Tensor]) -> bool:
+    """``_problem`` of every ``(x, like)`` pair is ``None``: the common case in bulk."""
+    want = torch.int8 if kind != "square" else torch.uint8
+    bf16, blocks = _quantize.SCALE_DTYPE, _quantize.blocks
+    expected = [(want, f.shape, f.device, bf16, (blocks(f.numel()),)) for f in likes]
+    return encoded_all_right(QState, xs, expected)
 
 
 def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
@@ -125,4 +133,5 @@ FORMAT = StateFormat(
     native=2,
     xla=True,
     salted=True,
+    all_right=_all_right,
 )
