@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.helpers import assert_bits_equal, bits, leaves
+from support.helpers import assert_bits_equal, bits, leaves, pruned_run
 
 import mpfunc
 from mpfunc.strategies import _remainder
@@ -457,3 +457,56 @@ def test_native_remainder_blocks_equal_the_tiles_on_every_pair(
     for a, b, c, what in zip(blocks, tiles, spec, ("param", "remainder", "ties"), strict=True):
         assert torch.equal(a, b), what
         assert torch.equal(a, c), what
+
+
+def _pruned_run(device: torch.device | str, impl: str) -> list[torch.Tensor]:
+    """Half the zeroed elements' remainders still say "rounded up" from the old values."""
+    masters = pruned_run("remainder", device, impl, BF16, seed=11, steps=1)
+    return [masters["w"].param.cpu(), mpfunc.masters_state_dict(masters)["w"].cpu()]
+
+
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+def test_a_zeroed_param_stays_zero_not_nan(impl: str) -> None:
+    """A zero param cannot have rounded up: a remainder saying so is stale (the param was
+    written) and the master is the param, +-0, as with "fp32" masters. It wrapped to NaN
+    bits (0xFFFF high half) before, on every path alike."""
+    param, master = _pruned_run("cpu", impl)
+    assert not param.isnan().any() and not master.isnan().any()
+    assert bool((param[:, :32] == 0).all())  # the zero param stays (a zero-grad step)
+    assert bool(torch.signbit(param[0, :8]).all()) and not bool(torch.signbit(param[1:, :32]).any())
+    # The master rounds to its param (the remainder's invariant): +-0, or a subnormal
+    # below half of bf16's smallest (a remainder whose top bit was clear fits a zero).
+    assert_bits_equal(master.to(BF16), param)
+    assert bool((master[:, :32].abs() < 2.0**-134).all())
+
+
+def test_join_of_a_stale_zero_is_the_zero() -> None:
+    """join() on every remainder of +-0 params with both tie bits: +-0 wherever the pair
+    says "rounded up" (top bit set, or an exact tie with the tie bit), the subnormal
+    master elsewhere; the native tiles and blocks agree (the test above and
+    test_native_remainder_blocks_equal_the_tiles_on_every_pair)."""
+    low = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    for sign in (0.0, -0.0):
+        for tie in (0, 1):
+            param = torch.full(low.shape, sign, dtype=BF16)
+            ties = _remainder.pack_ties(torch.full(low.shape, tie, dtype=torch.int32))
+            master = _remainder.join(param, low, ties)
+            u = low.to(torch.int32) & 0xFFFF
+            up = (u > 0x8000) | ((u == 0x8000) & (tie == 1))
+            want = torch.where(up, 0, u) | (int(math.copysign(1, sign) < 0) << 31)
+            assert torch.equal(master.view(torch.int32), want.to(torch.int32))
+
+
+@pytest.mark.xla
+def test_a_zeroed_param_stays_zero_on_xla(xla_device: torch.device) -> None:
+    """As on the CPU. XLA:CPU flushes subnormals in arithmetic, so the subnormal masters
+    that fit a zero param (see above) read as +-0 there: compared flushed."""
+    cpu = _pruned_run("cpu", "foreach")
+    got = _pruned_run(xla_device, "auto")
+    assert not got[0].isnan().any() and not got[1].isnan().any()
+    assert_bits_equal(got[0], cpu[0])
+
+    def flushed(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x.abs() < 2.0**-126, x * 0, x)
+
+    assert_bits_equal(flushed(got[1]), flushed(cpu[1]))

@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.helpers import bits
+from support.helpers import assert_bits_equal, bits, pruned_run
 from support.layouts import BF16, GRAD_LAYOUTS, OPTS, PARAM_LAYOUTS, grad_like
 
 import mpfunc
@@ -798,3 +798,45 @@ def test_leaf_keys_hash_as_the_tensor_mix_does(seed: int, index: int) -> None:
     want = _rng._mix(_rng._mix(h).bitwise_xor_(_rng._wrap(index)))
     got = _rng.key_for(seed, index, "cpu")
     assert got.dtype == torch.int32 and got.shape == () and int(got) == int(want)
+
+
+# --- a written param: the buffer of a strategy unit must not outlive it ---------------------
+
+
+def _pruned_kahan(device: torch.device | str, impl: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The compensations of the zeroed elements still hold the old values' rounding errors."""
+    unit = pruned_run("kahan", device, impl, dtype, seed=12, steps=2)["w"]
+    return [unit.param.cpu(), unit.compensation.cpu()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+def test_kahan_pruned_param_stays_zero(impl: str, dtype: torch.dtype) -> None:
+    """A param zeroed between steps stays zero through a zero-grad step, as with "fp32"
+    masters: a zero param's stale compensation is dropped (it came back as the old value's
+    rounding error, up to ~1e-3, before). The native pass, its tiles and the torch path
+    give the same bits."""
+    param, comp = _pruned_kahan("cpu", impl, dtype)
+    assert bool((param[:, :32] == 0).all()) and bool((comp[:, :32] == 0).all())
+    assert bool(torch.signbit(param[0, :8]).all())
+    assert not bool(torch.signbit(param[1:, :32]).any())
+    assert bool((param[:, 32:] != 0).all())  # the rest trained on
+
+
+def test_kahan_pruned_param_native_equals_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpfunc.backends import _native
+
+    if not _native.available():
+        pytest.skip("no native kernel")
+    ref = _pruned_kahan("cpu", "foreach", torch.bfloat16)
+    assert_bits_equal(_pruned_kahan("cpu", "auto", torch.bfloat16)[0], ref[0])
+    monkeypatch.setenv("MPFUNC_NATIVE_TILES", "1")
+    assert_bits_equal(_pruned_kahan("cpu", "auto", torch.bfloat16)[0], ref[0])
+
+
+@pytest.mark.xla
+def test_kahan_pruned_param_stays_zero_on_xla(xla_device: torch.device) -> None:
+    ref = _pruned_kahan("cpu", "foreach", torch.bfloat16)
+    got = _pruned_kahan(xla_device, "auto", torch.bfloat16)
+    assert_bits_equal(got[0], ref[0])
+    assert bool((got[1][:, :32] == 0).all())

@@ -644,8 +644,12 @@ class _B:
             shape = group.shapes[i]
             return _remainder._join_ops(self.xb, self.builder, unit[0], unit[1], unit[2], shape)
         x = self.to(unit[0], dtype, f32)
-        # Kahan: ``param.float().add_(compensation.float())``.
-        return x + self.to(unit[1], dtype, f32) if s == "kahan" else x
+        if s != "kahan":
+            return x
+        # Kahan: ``param.float().add_(compensation.float())``, a zero param adding -0.0 (its
+        # compensation is stale: ``_strategy_kahan._load``).
+        c = self.to(unit[1], dtype, f32)
+        return x + (x == x.zeros_like()).select(c.scalar_like(-0.0), c)
 
     def store(self, skip: Any, group: _Leaves, i: int, unit: list[Any], x: Any) -> list[Any]:
         """The master's tensors after the step (``x``: its new fp32 value), each keeping its

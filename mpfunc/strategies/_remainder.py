@@ -200,7 +200,12 @@ def _join_bits(p: torch.Tensor, r: torch.Tensor, t: torch.Tensor) -> torch.Tenso
     # exact tie (0x8000), where the tie bit says.
     tie_at = torch.bitwise_xor(low, 0x8000).sub_(1).bitwise_right_shift_(31)
     up = tie_at.bitwise_not_().bitwise_or_(t).bitwise_and_(torch.bitwise_right_shift(low, 15))
-    high = torch.sub(mag, up).bitwise_and_(finite)
+    # Nothing rounds up to a zero param: such a remainder is stale (the param was written,
+    # e.g. zeroed by pruning), and the master is the param itself, +-0 (it would wrap to
+    # NaN). ``keep`` is 0 there, else -1.
+    keep = torch.sub(mag, 1).bitwise_right_shift_(31).bitwise_and_(up).neg_().bitwise_not_()
+    low = low.bitwise_and_(keep)
+    high = torch.sub(mag, up).bitwise_and_(finite).bitwise_and_(keep)
     # A NaN param kept its high half, or stands for a NaN of high half 0x7F80 (tie bit).
     nan_high = torch.rsub(mag, _INF_HIGH).bitwise_and_(torch.neg(t)).add_(mag)
     high.bitwise_or_(nan_high.bitwise_and_(finite.bitwise_not_()))
@@ -336,7 +341,10 @@ def _join_ops(
     up = (low == k(0x8000)).select(t, roundbit)
     nan_high = (t == k(1)).select(mag.scalar_like(_INF_HIGH), mag)
     high = (mag > k(_INF_HIGH)).select(nan_high, mag - up)
-    bits = (p & k(_SIGN32)) | (high << k(16)) | low
+    # A zero param whose remainder says it rounded up: stale, the master is +-0 (join).
+    stale = (mag == k(0)) & (up == k(1))
+    zero = mag.scalar_like(0)
+    bits = (p & k(_SIGN32)) | (stale.select(zero, high) << k(16)) | stale.select(zero, low)
     return bits.bitcast("f32")
 
 

@@ -48,7 +48,14 @@ def _make(p: torch.Tensor, seed: int, index: int) -> KahanMaster:
 
 
 def _load(units: list[Any]) -> list[torch.Tensor]:
-    return [u.param.float().add_(u.compensation.float()) for u in units]
+    """``param + compensation``, but a zero param is its master: a store that rounds a
+    master to +-0 leaves a compensation of the same zero (the master is within half the
+    smallest subnormal), so any other is stale, left by a write to the param (pruning,
+    ``nn.init.zeros_``), and the master is the written zero, sign kept (``-0.0`` added
+    keeps either zero)."""
+    return [
+        u.param.float().add_(torch.where(u.param == 0, -0.0, u.compensation.float())) for u in units
+    ]
 
 
 def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | None) -> None:

@@ -139,3 +139,27 @@ def laid_out(kind: str, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor
         wide[:, ::2] = x.reshape(shape)
         return wide[:, ::2]
     return x.reshape(shape)
+
+
+def pruned_run(
+    strategy: str, device: Any, impl: str, dtype: torch.dtype, *, seed: int, steps: int
+) -> Any:
+    """The masters of a unit strategy's SGD run whose params are zeroed between steps
+    (pruning, ``nn.init.zeros_``): ``steps`` steps, then columns ``[:, :32]`` of the
+    4 x 64 param set to 0 (``[0, :8]`` to -0), then one step with zero grads."""
+    import mpfunc
+
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(4, 64, generator=gen).to(dtype).to(device)}
+    masters = mpfunc.init_master(params, strategy=strategy)
+    opt = mpfunc.sgd(lr=1e-3, impl=impl)  # type: ignore[arg-type]
+    state = opt.init(masters)
+    for _ in range(steps):
+        grad = {"w": torch.randn(4, 64, generator=gen).to(dtype).to(device)}
+        mpfunc.apply_update_(masters, grad, state, opt)
+    with torch.no_grad():
+        params["w"][:, :32] = 0
+        params["w"][0, :8] = -0.0
+    zero = {"w": torch.zeros(4, 64, dtype=dtype, device=device)}
+    mpfunc.apply_update_(masters, zero, state, opt)
+    return masters

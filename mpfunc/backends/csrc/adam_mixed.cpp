@@ -937,8 +937,12 @@ MPF_INLINE float join(u16 p, u16 r, u32 t) {
   const u32 low = r;
   // The rounding went up where the remainder's top bit is set, except at an exact tie,
   // where the tie bit says; a NaN param kept its high half, or stands for high 0x7F80.
-  const u32 high = mag <= kInfHigh ? mag - (low == 0x8000u ? t : low >> 15)
-                                   : (t ? kInfHigh : mag);
+  const u32 up = low == 0x8000u ? t : low >> 15;
+  // Nothing rounds up to a zero param: a remainder that says so is stale (the param was
+  // written, e.g. zeroed by pruning) and the master is the param itself, +-0 (it would
+  // wrap to NaN).
+  if (mag == 0 && up) return float_of(u32(p & 0x8000u) << 16);
+  const u32 high = mag <= kInfHigh ? mag - up : (t ? kInfHigh : mag);
   return float_of((high << 16) | low | (u32(p & 0x8000u) << 16));
 }
 
@@ -1323,6 +1327,15 @@ struct CLeaf {
   LeafCoef coef;
 };
 
+// The compensation a Kahan master adds to its param: -0.0 (which keeps either zero) for a
+// zero param. A store that rounds a master to +-0 leaves a compensation of the same zero
+// (the master is within half the smallest subnormal), so any other is stale, left by a
+// write to the param (pruning), and the master is that zero (_strategy_kahan._load).
+MPF_INLINE fVec kahan_comp(const fVec& p, const fVec& c) {
+  return fVec::blendv(c, fVec(-0.0f), p == fVec(0.0f));
+}
+MPF_INLINE float kahan_comp(float p, float c) { return p == 0.0f ? -0.0f : c; }
+
 // x = float(param) + float(compensation), as _strategy_kahan's load.
 template <class X>
 void load_kahan(const CLeaf& L, std::int64_t b, std::int64_t e, float* dst) {
@@ -1334,9 +1347,12 @@ void load_kahan(const CLeaf& L, std::int64_t b, std::int64_t e, float* dst) {
   for (; i + kBlock <= n; i += kBlock) {
     load2<X, true>(P + i, kBlock, p0, p1);
     load2<X, true>(C + i, kBlock, c0, c1);
-    store2<F32, true>(dst + i, kBlock, p0 + c0, p1 + c1);
+    store2<F32, true>(dst + i, kBlock, p0 + kahan_comp(p0, c0), p1 + kahan_comp(p1, c1));
   }
-  for (; i < n; ++i) dst[i] = X::load(P[i]) + X::load(C[i]);
+  for (; i < n; ++i) {
+    const float p = X::load(P[i]);
+    dst[i] = p + kahan_comp(p, X::load(C[i]));
+  }
 }
 
 template <class X>
@@ -1521,13 +1537,13 @@ struct SFp32 {  // "fp32": the master in place; with params out, refreshed and r
 };
 
 template <class X>
-struct SKahan {  // param + compensation; store_kahan's block
+struct SKahan {  // param + compensation (kahan_comp); store_kahan's block
   static MPF_INLINE u32 load(const CLeaf& L, std::int64_t i, fVec& p0, fVec& p1) {
     fVec c0, c1;
     load2<X, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
     load2<X, true>(static_cast<const u16*>(L.aux) + i, kBlock, c0, c1);
-    p0 = p0 + c0;
-    p1 = p1 + c1;
+    p0 = p0 + kahan_comp(p0, c0);
+    p1 = p1 + kahan_comp(p1, c1);
     return 0;
   }
   static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& x0, const fVec& x1,
@@ -1552,8 +1568,9 @@ MPF_INLINE void narrow16(iVec x, u16* p) {
 }
 
 // join() and split() on a block of 32 elements, in 16-bit lanes. The common block has no
-// rare element (an exact tie, remainder 0x8000, or a NaN param; tie_matters), and there the
-// rounding went up exactly where the remainder's top bit is set: join subtracts it from the
+// rare element (an exact tie, remainder 0x8000, a NaN param, or a zero param whose
+// remainder says it rounded up: stale, see join), and there the rounding went up exactly
+// where the remainder's top bit is set: join subtracts it from the
 // param's magnitude, split adds it to the master's high half. Rare elements are left to
 // join_rare/split_rare, out of line; the masks say which (bit j: element j).
 MPF_INLINE __m512i u16s(u32 v) { return _mm512_set1_epi16(short(v)); }
@@ -1562,9 +1579,11 @@ MPF_INLINE __m512i u16s(u32 v) { return _mm512_set1_epi16(short(v)); }
 MPF_INLINE u32 join32(const u16* P, const u16* R, fVec& x0, fVec& x1) {
   const __m512i p = _mm512_loadu_si512(P), low = _mm512_loadu_si512(R);
   const __m512i mag = _mm512_and_si512(p, u16s(0x7FFFu));
-  const u32 rare = u32(_mm512_cmpgt_epu16_mask(mag, u16s(kInfHigh)) |
-                       _mm512_cmpeq_epi16_mask(low, u16s(0x8000u)));
-  // high = (mag - top bit) | sign, wrapping at 0 to 0xFFFF as join's u32 arithmetic does.
+  const u32 rare =
+      u32(_mm512_cmpgt_epu16_mask(mag, u16s(kInfHigh)) |
+          _mm512_cmpeq_epi16_mask(low, u16s(0x8000u)) |
+          _mm512_mask_cmpge_epu16_mask(_mm512_testn_epi16_mask(mag, mag), low, u16s(0x8000u)));
+  // high = (mag - top bit) | sign (a zero param with the top bit set is rare: join).
   const __m512i high =
       _mm512_ternarylogic_epi32(_mm512_sub_epi16(mag, _mm512_srli_epi16(low, 15)), p,
                                 u16s(0x8000u), 0xF8);  // a | (b & c)
