@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.helpers import assert_bits_equal, leaves
 from support.layouts import (
     BF16,
     GRAD_LAYOUTS,
@@ -160,3 +161,34 @@ def test_channels_last_readme_loop_regression() -> None:
         peak = torch.maximum(peak, ref[0].abs().max())
     err = (masters["conv.weight"].double() - ref[0].double()).abs().max()
     assert float(err) <= RTOL * float(peak)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.uint8, torch.uint4], ids=str)
+@pytest.mark.parametrize("strategy", ["fp32", "remainder", "kahan", "stochastic", "none"])
+def test_size_one_dims_take_any_stride(strategy: str, state_dtype: torch.dtype | None) -> None:
+    """A (1, 40) param stored as a transposed (40, 1) tensor has strides (1, 1); its grad,
+    master and state may have (40, 1). A dim of size 1 is never stepped along, so the native
+    pass takes them (it refused with an internal error naming no path) and gives the torch
+    path's bits."""
+
+    def run(impl: str, grad_t: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(4)
+        param = torch.randn(40, 1, generator=gen).to(torch.bfloat16).t()
+        assert param.stride() == (1, 1)
+        params = {"head": param}
+        masters = mpfunc.init_master(params, strategy=strategy)
+        opt = mpfunc.adamw(lr=1e-2, impl=impl, state_dtype=state_dtype)  # type: ignore[arg-type]
+        state = opt.init(masters)
+        for _ in range(2):
+            g = torch.randn(40, 1, generator=gen).to(torch.bfloat16)
+            grad = g.t() if grad_t else g.reshape(1, 40)
+            kw = {"params": params} if strategy == "fp32" else {}
+            mpfunc.apply_update_(masters, {"head": grad}, state, opt, **kw)
+        return [t for t in leaves((masters, state, params)) if isinstance(t, torch.Tensor)]
+
+    for grad_t in (False, True):
+        for a, b in zip(run("auto", grad_t), run("fused", grad_t)):  # the native spec
+            if a.is_floating_point():
+                assert_bits_equal(a, b)
+            else:
+                assert torch.equal(a, b)

@@ -134,11 +134,21 @@ def _dense(t: torch.Tensor) -> bool:
 
 def _same_layout(tensors: Sequence[torch.Tensor | None]) -> bool:
     """All present tensors are dense with one stride: pairing by memory position is then
-    pairing by index, which is what torch's fused kernels assume."""
+    pairing by index, which is what torch's fused kernels assume. A dim of size 1 is never
+    stepped along, so its stride does not count (a (1, 40) param stored transposed has
+    strides (1, 1), its grad (40, 1)), as in the native pass's check."""
     first = tensors[0]
     assert first is not None
     stride = first.stride()
-    return _dense(first) and all(t is None or t.stride() == stride for t in tensors[1:])
+    if not _dense(first):
+        return False
+    if all(t is None or t.stride() == stride for t in tensors[1:]):
+        return True
+    moving = [d for d, n in enumerate(first.shape) if n != 1]
+    return all(
+        t is None or [t.stride(d) for d in moving] == [stride[d] for d in moving]
+        for t in tensors[1:]
+    )
 
 
 def copy_grouped_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
