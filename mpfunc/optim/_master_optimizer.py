@@ -136,6 +136,22 @@ def _extend(state: Any, n: int) -> None:
             raise TypeError(f"MasterOptimizer: unexpected state field {_checks.describe(value)}")
 
 
+def _same_kind(live: Any, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The (live, saved) tensor pairs of one state entry when ``saved`` is what ``live`` is:
+    a tensor of its dtype and shape, or the same NamedTuple of such tensors (8-bit and 4-bit
+    moments: codes and scales); else ``None``."""
+
+    def same(t: Any, s: Any) -> bool:
+        return isinstance(s, torch.Tensor) and s.dtype == t.dtype and s.shape == t.shape
+
+    if isinstance(live, torch.Tensor):
+        return [(live, saved)] if same(live, saved) else None
+    unit = isinstance(live, tuple) and type(saved) is type(live) and len(saved) == len(live)
+    if unit and all(isinstance(t, torch.Tensor) and same(t, s) for t, s in zip(live, saved)):
+        return list(zip(live, saved))
+    return None
+
+
 class MasterOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that keeps fp32 masters for low-precision params.
 
@@ -706,15 +722,21 @@ class MasterOptimizer(torch.optim.Optimizer):
                 )
             for name, t in live.items():
                 s = entry[name]
-                if not isinstance(s, torch.Tensor) or s.dtype != t.dtype or s.shape != t.shape:
+                pairs = _same_kind(t, s)
+                if pairs is None:
+                    expected = (
+                        f"{t.dtype} tensor of shape {tuple(t.shape)}"
+                        if isinstance(t, torch.Tensor)
+                        else _checks.describe(t)
+                    )
                     _checks.fail(
-                        ValueError, fn, f"{where}[{name!r}]",
-                        f"{t.dtype} tensor of shape {tuple(t.shape)}", _checks.describe(s),
+                        ValueError, fn, f"{where}[{name!r}]", expected, _checks.describe(s),
                         "A MasterOptimizer state is loaded as saved, never cast",
                     )  # fmt: skip
-                if s is not t:
-                    dst.append(t)
-                    src.append(s.to(t.device))
+                for live_t, saved_t in pairs:
+                    if saved_t is not live_t:
+                        dst.append(live_t)
+                        src.append(saved_t.to(live_t.device))
         for j, pair in made.items():
             self._adopt(j, pair)  # the tensors of dst become its state
         _plan.copy_grouped_(dst, src)

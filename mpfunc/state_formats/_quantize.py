@@ -111,6 +111,11 @@ class QState(NamedTuple):
     scale: torch.Tensor
 
 
+# A NamedTuple of two tensors: safe for torch.load(weights_only=True), torch's default since
+# 2.6 and how HF's Trainer reloads an optimizer's state_dict on resume.
+torch.serialization.add_safe_globals([QState])
+
+
 def blocks(numel: int) -> int:
     """The number of blocks (and scales) of a moment with ``numel`` elements."""
     return -(-numel // BLOCK)

@@ -133,6 +133,10 @@ class Q4State(NamedTuple):
     scale: torch.Tensor
 
 
+# Safe for torch.load(weights_only=True), as QState (_quantize).
+torch.serialization.add_safe_globals([Q4State])
+
+
 def blocks(numel: int) -> int:
     """The number of blocks (and scales) of a moment with ``numel`` elements."""
     return -(-numel // BLOCK)
