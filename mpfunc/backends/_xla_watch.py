@@ -103,10 +103,12 @@ def check_schedule(schedule: Any, value: object, device: torch.device, read: boo
 
 # --- pending graphs -----------------------------------------------------------------------
 
-# torch_xla's id of each pending computation a step left in a master (its IR node and
-# output index) -> the steps chained in it so far; a few chains at a time (one per
-# optimizer in a loop). An id is a node's address, which a later node may reuse once this
-# one is freed (once it ran): every sync (torch_xla's MarkStep count moved) runs every
+# The master's torch_xla tensor id (never reused in a process, kept across mpfunc's steps)
+# and torch_xla's id of the pending computation a step left in it (its IR node and output
+# index) -> the steps chained in it so far; a few chains at a time (one per optimizer in a
+# loop). A computation's id is a node's address, which a later node may reuse once this one
+# is freed, also another master's (a test making new trees without a sync): the tensor id
+# keeps their chains apart. Every sync (torch_xla's MarkStep count moved) runs every
 # pending computation, so the ids noted before it are dropped.
 _ENDS: dict[str, int] = {}
 _KEEP = 16
@@ -128,7 +130,7 @@ def step_begins(fn: str, faces: Sequence[Any], grads: Sequence[Any]) -> tuple[in
     xlac = _xlac()
     if xlac._xla_counter_value("MarkStep") != _marks:
         _ENDS.clear()  # synced since: nothing is pending from before
-    uid = xlac._unique_id_for_ir_and_data(faces[i])
+    uid = _chain_key(xlac, faces[i])
     run = _ENDS.pop(uid, 0)
     if run >= PENDING_STEPS and not _warned:
         _warned = True
@@ -145,6 +147,11 @@ def step_begins(fn: str, faces: Sequence[Any], grads: Sequence[Any]) -> tuple[in
     return i, uid, run
 
 
+def _chain_key(xlac: Any, master: Any) -> str:
+    """The master's tensor id and its pending computation's id (see ``_ENDS``)."""
+    return f"{xlac._xla_get_tensor_id(master)}:{xlac._unique_id_for_ir_and_data(master)}"
+
+
 def step_ends(begun: tuple[int, str, int] | None, faces: Sequence[Any]) -> None:
     """At a step's end: records the pending computation the step left in the master
     ``step_begins`` noted (in ``faces``, the masters after the step)."""
@@ -153,7 +160,7 @@ def step_ends(begun: tuple[int, str, int] | None, faces: Sequence[Any]) -> None:
         return
     i, uid, run = begun
     xlac = _xlac()
-    now = xlac._unique_id_for_ir_and_data(faces[i])
+    now = _chain_key(xlac, faces[i])
     if now == uid:
         return  # not written (a kernel that skips it): no chain to follow
     _ENDS[now] = run + 1
