@@ -208,7 +208,12 @@ def test_sidecar_round_trips_with_tie_bits(tmp_path: Path) -> None:
     for k, v in v1["fp32"].items():
         _remainder.split_([v], [m[k].param], [m[k].remainder], [m[k].ties])
     side = mpfunc.remainders_state_dict(m)
-    assert sorted(side) == sorted([*v1["fp32"], *(k + "#ties" for k in v1["fp32"])])
+    want = [
+        *v1["fp32"],
+        *(k + "#ties" for k in v1["fp32"]),
+        *(k + "#param_crc32" for k in v1["fp32"]),
+    ]
+    assert sorted(side) == sorted(want)
     torch.save(side, tmp_path / "side.pt")
     sd = {k: p.detach().clone() for k, p in params.items()}
     back = mpfunc.masters_from_remainders(sd, torch.load(tmp_path / "side.pt", weights_only=True))

@@ -483,18 +483,29 @@ def test_pure_form_leaves_inputs_and_agrees(strategy: str) -> None:
     _assert_same_bits({"m": new_m, "s": new_s}, {"m": m, "s": s}, "pure == in place")
 
 
-def test_lossless_bf16_checkpoint(tmp_path: Any) -> None:
-    """The model's own bf16 state_dict plus the remainder sidecar rebuild the exact fp32
-    masters."""
+def _remainder_model(seed: int, steps: int) -> tuple[torch.nn.Module, Any, Any]:
+    """A small bf16 model, its "remainder" masters after ``steps`` AdamW steps, and a
+    function that takes one more step."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(BF16)
     params = dict(model.named_parameters())
     m = mpfunc.init_master(params, strategy="remainder")
     opt = mpfunc.adamw(lr=1e-3)
     s = opt.init(m)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(5):
+    gen = torch.Generator().manual_seed(seed)
+
+    def step() -> None:
         g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in params.items()}
         mpfunc.apply_update_(m, g, s, opt, params=params)
+
+    for _ in range(steps):
+        step()
+    return model, m, step
+
+
+def test_lossless_bf16_checkpoint(tmp_path: Any) -> None:
+    """The model's own bf16 state_dict plus the remainder sidecar rebuild the exact fp32
+    masters."""
+    model, m, _ = _remainder_model(seed=0, steps=5)
     torch.save(model.state_dict(), tmp_path / "model.pt")
     torch.save(mpfunc.remainders_state_dict(m), tmp_path / "remainders.pt")
     sd = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -759,6 +770,56 @@ def test_masters_from_remainders_refuses_bad_input() -> None:
         mpfunc.masters_from_remainders,
         p,
         {"w": r["w"].int()},
+    )
+
+
+def test_masters_from_remainders_refuses_a_sidecar_of_another_step(tmp_path: Any) -> None:
+    """A remainder joins with any bf16 value, so a sidecar saved one step before the
+    model's state_dict gave other masters with no error. Its CRC of each param refuses
+    it, naming the params, before anything is joined; the pair saved together (also
+    under other keys, and a sidecar without CRCs, as written before them) still loads."""
+    model, m, more = _remainder_model(seed=3, steps=1)
+    params = dict(model.named_parameters())
+    torch.save(mpfunc.remainders_state_dict(m), tmp_path / "side.pt")
+    side = torch.load(tmp_path / "side.pt", weights_only=True)
+    crcs = sorted(k for k in side if k.endswith("#param_crc32"))
+    assert crcs == sorted(k + "#param_crc32" for k in params)
+    assert all(side[k].dtype == torch.int64 and side[k].dim() == 0 for k in crcs)
+    then = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want = mpfunc.masters_state_dict(m)
+    more()  # one more step: the model moves on
+    now = model.state_dict()
+    _raises(
+        ValueError,
+        r"expected each param to be the one its remainder was saved beside, got 4 whose "
+        r"bits differ \(CRC-32\): \['0\.bias', '0\.weight', '1\.bias', '1\.weight'\]\. "
+        r"Were the model's state_dict and the sidecar saved at the same step",
+        mpfunc.masters_from_remainders,
+        now,
+        side,
+    )
+    one = dict(then, **{"1.bias": now["1.bias"]})  # a single leaf of another step
+    _raises(ValueError, r"got 1 whose bits differ \(CRC-32\): \['1\.bias'\]",
+            mpfunc.masters_from_remainders, one, side)  # fmt: skip
+    _assert_same_bits(mpfunc.masters_from_remainders(then, side), want, "the saved pair")
+    renamed = {"net." + k: v for k, v in side.items()}  # both files re-keyed alike
+    got = mpfunc.masters_from_remainders({"net." + k: v for k, v in then.items()}, renamed)
+    _assert_same_bits({k[4:]: v for k, v in got.items()}, want, "re-keyed")
+    old = {k: v for k, v in side.items() if not k.endswith("#param_crc32")}
+    _assert_same_bits(mpfunc.masters_from_remainders(then, old), want, "no CRCs")
+    _raises(
+        ValueError,
+        r"'0\.bias#param_crc32': expected a 0-d torch\.int64 CRC, got torch\.int32",
+        mpfunc.masters_from_remainders,
+        then,
+        dict(side, **{"0.bias#param_crc32": side["0.bias#param_crc32"].int()}),
+    )
+    _raises(
+        KeyError,
+        r"tie bits or CRCs \['v#param_crc32'\] have no remainder",
+        mpfunc.masters_from_remainders,
+        then,
+        dict(side, **{"v#param_crc32": torch.tensor(0)}),
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mpfunc.core import _checks, _tree
+from mpfunc.core import _checks, _dtensor, _tree
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder, _strategy
 from mpfunc.strategies._strategy_remainder import RemainderMaster
@@ -413,6 +413,19 @@ def _keys_of(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, t
 
 
 TIES_SUFFIX = "#ties"  # a sidecar's key for a param's tie bits: "<name>#ties"
+# A sidecar's key for the CRC-32 of the bf16 param its remainder belongs to (a 0-d int64):
+# "<name>#param_crc32". A remainder and tie bits join with any bf16 value, so without it a
+# sidecar saved at another step than the model's state_dict gave wrong masters, no error.
+CRC_SUFFIX = "#param_crc32"
+
+
+def _param_crc(p: torch.Tensor) -> int | None:
+    """The fingerprint of param ``p`` as its sidecar keeps it (``_crc`` of its host bytes),
+    or ``None`` for a DTensor: each rank holds a shard, and the sidecar's plain tensors
+    are one value for every rank."""
+    if _dtensor.is_dtensor(p):
+        return None
+    return _crc("", _host_bytes(p))  # not the key: a renamed pair still checks
 
 
 def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
@@ -421,8 +434,12 @@ def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
     lossless fp32 checkpoint (2.125 bytes per param).
 
     Save it beside ``model.state_dict()``; ``masters_from_remainders`` rebuilds the exact
-    fp32 masters from the two. Keys are the parameter names (the remainders) and the
-    names with ``"#ties"`` appended (the tie bits).
+    fp32 masters from the two. Keys are the parameter names (the remainders), the
+    names with ``"#ties"`` appended (the tie bits) and the names with ``"#param_crc32"``
+    appended: a 0-d int64 CRC-32 of the bf16 param the remainder belongs to, by which
+    ``masters_from_remainders`` refuses a sidecar saved at another step than the params
+    (none for a DTensor param, whose shards differ by rank). Saving it reads each param
+    to the host once.
     """
     side, _ = _strategy.master_leaves("remainders_state_dict", "masters", masters)
     keys = _tree.leaf_paths(masters, units=True)
@@ -431,6 +448,9 @@ def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
         if isinstance(leaf, RemainderMaster):
             out[k] = leaf.remainder.detach().cpu().clone()
             out[k + TIES_SUFFIX] = leaf.ties.detach().cpu().clone()
+            crc = _param_crc(leaf.param.detach())
+            if crc is not None:
+                out[k + CRC_SUFFIX] = torch.tensor(crc, dtype=torch.int64)
     return out
 
 
@@ -444,25 +464,51 @@ def masters_from_remainders(
       remainders: the sidecar from ``remainders_state_dict``: ``{name: int16 tensor}``
         and ``{name + "#ties": uint8 tensor}``; every name must be in ``params``. A
         sidecar without tie bits (written before mpfunc kept them, beside params rounded
-        ties away from zero) is read by that rule.
+        ties away from zero) is read by that rule. A ``"#param_crc32"`` entry must be the
+        CRC-32 of the param of its name (a sidecar without one is not checked).
 
     Returns:
       ``{name: fp32 tensor}`` for every remainder, bit-identical to the masters that were
       saved (``masters_state_dict``).
 
     Raises:
-      KeyError: a remainder has no param, or tie bits have no remainder. TypeError,
-        ValueError: dtypes or shapes differ.
+      KeyError: a remainder has no param, or tie bits or a CRC have no remainder.
+        TypeError, ValueError: dtypes or shapes differ, or a param is not the one the
+        sidecar was saved beside (its CRC differs).
     """
     fn = "masters_from_remainders"
-    names = [k for k in remainders if not k.endswith(TIES_SUFFIX)]
+    suffixes = (TIES_SUFFIX, CRC_SUFFIX)
+    names = [k for k in remainders if not k.endswith(suffixes)]
     missing = sorted(set(names) - set(params))
     if missing:
         raise KeyError(f"{fn}: remainders {missing[:5]} have no param of the same name")
-    orphans = sorted(k for k in remainders if k.endswith(TIES_SUFFIX) and
-                     k[: -len(TIES_SUFFIX)] not in remainders)  # fmt: skip
+    orphans = sorted(k for k in remainders if k.endswith(suffixes) and
+                     k[: -len(TIES_SUFFIX if k.endswith(TIES_SUFFIX) else CRC_SUFFIX)]
+                     not in remainders)  # fmt: skip
     if orphans:
-        raise KeyError(f"{fn}: tie bits {orphans[:5]} have no remainder of the same name")
+        raise KeyError(f"{fn}: tie bits or CRCs {orphans[:5]} have no remainder of the same name")
+    stale = []
+    for k in names:  # every param checked before anything is joined
+        c = remainders.get(k + CRC_SUFFIX)
+        if c is None or not isinstance(params[k], torch.Tensor):
+            continue
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0:
+            raise ValueError(
+                f"{fn}: {k + CRC_SUFFIX!r}: expected a 0-d torch.int64 CRC, got "
+                f"{_checks.describe(c)}"
+            )
+        if params[k].dtype == torch.bfloat16 and params[k].shape == remainders[k].shape:
+            got = _param_crc(params[k].detach())
+            if got is not None and got != int(c):
+                stale.append(k)
+    if stale:
+        raise ValueError(
+            f"{fn}: expected each param to be the one its remainder was saved beside, got "
+            f"{len(stale)} whose bits differ (CRC-32): {stale[:5]}"
+            f"{' ...' if len(stale) > 5 else ''}. Were the model's state_dict and the "
+            f"sidecar saved at the same step (remainders_state_dict(masters) right beside "
+            f"model.state_dict())?"
+        )
     out = {}
     for k in names:
         r, p = remainders[k], params[k]
