@@ -703,21 +703,87 @@ def test_errors_name_what_was_expected() -> None:
         mpfunc.MasterOptimizer([base, base.detach()[:4].requires_grad_()])
 
 
-@pytest.mark.parametrize("change", ["amsgrad", "lr"])
+@pytest.mark.parametrize("change", ["state_dtype", "lr"])
 def test_a_bad_change_raises_before_writing(change: str) -> None:
     opt, _, params, ref = adamw_pair(CPU)
     set_grads(0, params, ref)
     opt.step()
     snap = snapshot([masters(opt), params, [opt.state[p]["exp_avg"] for p in params]])
-    if change == "amsgrad":  # needs a state the optimizer does not have
-        opt.param_groups[0]["amsgrad"] = True
-        match = "max_exp_avg_sq"
+    if change == "state_dtype":  # the moments would need converting
+        opt.param_groups[0]["state_dtype"] = torch.uint8
+        match = (
+            r"param_groups\[0\]: state_dtype: expected None \(the format this group's "
+            r"moments were made in\), got torch\.uint8\. Moments are not converted mid-run"
+        )
     else:
         opt.param_groups[0]["lr"] = -1.0
         match = r"param_groups\[0\]: adamw: lr"
     with pytest.raises(ValueError, match=match):
         opt.step()
     assert_unchanged_all(opt, params, snap)
+    opt.param_groups[0][change] = None if change == "state_dtype" else 1e-2
+    opt.step()  # set back, the run goes on
+
+
+def test_momentum_switched_on_with_dampening_is_refused() -> None:
+    """torch.optim starts the buffer as the next grad whatever the dampening; mpfunc's step
+    dampens all but a buffer's first step, told by the step count: refused, not silently
+    another first step."""
+    params = make_params()
+    opt = mpfunc.MasterOptimizer(params, mpfunc.sgd, lr=1e-2, dampening=0.5)
+    set_grads(0, params, fp32_copies(params))
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.9
+    snap = snapshot([masters(opt), params])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: momentum: expected it switched "
+                       r"on with dampening=0, got dampening=0\.5"):  # fmt: skip
+        opt.step()
+    assert_unchanged([masters(opt), params], snap)
+
+
+def test_a_change_of_which_state_a_group_keeps_is_torchs() -> None:
+    """torch's habit of switching ``momentum`` or ``amsgrad`` in ``param_groups`` mid-run:
+    the field the new values need is made as ``init`` makes it (zeros) and one they no
+    longer use is dropped, where it said "Was this state made by opt.init()". Against
+    torch.optim on fp32 copies: SGD makes its buffer from the next grad (dampening 0) and
+    ignores it at momentum 0; AdamW, which raises a KeyError there, is given a zero
+    ``max_exp_avg_sq`` by hand, as mpfunc makes it. One difference, documented: a field
+    switched off is dropped (its memory freed), so switched on again it starts afresh,
+    where torch.optim picks up the one it kept; the reference drops it by hand too.
+    ``opt.state`` and ``state_dict`` follow."""
+    params = make_params()
+    ref = fp32_copies(params)
+    opt = mpfunc.MasterOptimizer(params, mpfunc.sgd, lr=1e-2)
+    ref_opt = torch.optim.SGD(ref, lr=1e-2)
+    for k, momentum in enumerate([0.0, 0.0, 0.9, 0.9, 0.9, 0.0, 0.0, 0.5, 0.5]):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["momentum"] = momentum
+        for p in ref if not momentum else []:  # torch keeps it, to pick up again at 0.5
+            ref_opt.state[p].pop("momentum_buffer", None)
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        keys = sorted(opt.state[params[0]])
+        assert keys == sorted(["master", "step"] + (["momentum_buffer"] if momentum else []))
+        assert sorted(opt.state_dict()["state"][0]) == keys
+    for m, r in zip(masters(opt), ref):
+        assert_close_bound(m, r, lr=1e-2, steps=9)
+
+    opt, ref_opt, params, ref = adamw_pair(CPU)
+    for k, amsgrad in enumerate([False, False, True, True, True, False, True]):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["amsgrad"] = amsgrad
+        for p in ref if amsgrad else []:
+            if "max_exp_avg_sq" not in ref_opt.state[p]:
+                ref_opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+        for p in ref if not amsgrad else []:
+            ref_opt.state[p].pop("max_exp_avg_sq", None)
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        assert ("max_exp_avg_sq" in opt.state[params[0]]) == amsgrad
+        for m, r in zip(masters(opt), ref):
+            assert_bits_equal(m, r.detach())
 
 
 # --- XLA ----------------------------------------------------------------------------------

@@ -497,8 +497,60 @@ class MasterOptimizer(torch.optim.Optimizer):
         build = dict(values)
         if label in self._varying and build.get("impl") == "auto":
             build["impl"] = "foreach"
-        self._built[label] = (key, self._factory(**build))
+        built = self._factory(**build)
+        if held is not None:
+            self._restate(label, held[0], key, built)
+        self._built[label] = (key, built)
         return True
+
+    def _restate(self, label: str, held: tuple[Any, ...], key: tuple[Any, ...], built: Any) -> None:
+        """The group's state after a value that decides which state it keeps changed
+        mid-run (torch's habit: ``param_groups[i]["momentum"] = 0.9``, ``["amsgrad"] =
+        True``). A field the new values use and the state lacks is made as ``init`` makes
+        it, zeros (SGD's momentum buffer then starts from the next grad, AMSGrad's running
+        maximum from the next second moment); a field they no longer use is dropped, as a
+        fresh optimizer with these values would keep none. A new ``state_dtype`` is refused
+        before anything is written: the moments stay in the format they were made in."""
+        if all(a == b for k, a, b in zip(self._keys, held, key) if k != "lr"):
+            return  # the lr alone (a scheduler's every step): the state is the same
+        state = self._states.get(label)
+        if state is None:
+            return  # the group is being added: its state is made from these values
+        if "state_dtype" in self._keys:
+            i = self._keys.index("state_dtype")
+            if held[i] != key[i]:
+                raise ValueError(
+                    f"state_dtype: expected {held[i]} (the format this group's moments were "
+                    f"made in), got {key[i]}. Moments are not converted mid-run: set it "
+                    f"back, or make the optimizer with the new state_dtype from the start"
+                )
+        layout = built.init([None] * len(self._params))
+        changes: dict[str, Any] = {}
+        fresh = None
+        for name in state._fields:
+            want = getattr(layout, name, None) is not None
+            have = getattr(state, name) is not None
+            if want and not have:
+                dampening = dict(zip(self._keys, key)).get("dampening", 0)
+                if name == "momentum_buffer" and dampening:
+                    raise ValueError(
+                        f"momentum: expected it switched on with dampening=0, got dampening="
+                        f"{dampening}: torch.optim starts a new buffer as the next grad, and "
+                        f"mpfunc's step tells a buffer's first step by the step count, which "
+                        f"is past it. Set the momentum from the start (or dampening to 0)"
+                    )
+                if fresh is None:
+                    fresh = built.init(
+                        [m if lab == label else None for m, lab in zip(self._masters, self._labels)]
+                    )
+                changes[name] = getattr(fresh, name)
+            elif have and not want:
+                changes[name] = None
+        if changes:
+            self._states[label] = state._replace(**changes)
+            for j, lab in enumerate(self._labels):
+                if lab == label:
+                    self._link(j)
 
     def _optimizer(self) -> Optimizer:
         """The partition of every group's optimizer, rebuilt when a group's values changed."""
