@@ -576,6 +576,22 @@ def test_errors_name_the_path_and_write_nothing() -> None:
         f32,
         strategy={"a": "fp32"},
     )
+    for name in ("remainder", "kahan", "stochastic", "none"):  # dtype was silently ignored
+        _raises(
+            ValueError,
+            rf"init_master: at 'params\.b': expected dtype None or torch\.float32 beside "
+            rf"strategy '{name}' .*got dtype=torch\.float64\. Use strategy=\"fp32\"",
+            mpfunc.init_master,
+            f32,
+            torch.float64,
+            strategy={"a": "fp32", "b": name},
+        )
+        mixed = mpfunc.init_master(f32, torch.float32, strategy={"a": "fp32", "b": name})
+        assert mixed["a"].dtype == torch.float32 and not isinstance(mixed["b"], torch.Tensor)
+    assert (
+        mpfunc.init_master(f32, torch.float64, strategy={"a": "fp32", "b": "fp32"})["b"].dtype
+        == torch.float64
+    )
     bias = {"bias": torch.zeros(3, dtype=BF16)}
     mb = mpfunc.init_master(bias, strategy="stochastic")
     _raises(
@@ -849,16 +865,45 @@ def test_lossless_bf16_checkpoint_from_xla(xla_device: torch.device) -> None:
 
 
 @settings(max_examples=300)
-@given(seed=st.integers(-(2**63), 2**63 - 1), index=st.integers(0, 2**40))
+@given(seed=st.integers(-(2**63), 2**64 - 1), index=st.integers(0, 2**40))
 def test_leaf_keys_hash_as_the_tensor_mix_does(seed: int, index: int) -> None:
     """``_rng.key_for`` hashes in Python integers; the same bits as ``_rng._mix`` on int32
-    tensors (the form the draws use on every device)."""
+    tensors (the form the draws use on every device), the seed's high half mixed in."""
     from mpfunc.core import _rng
 
-    h = torch.tensor(_rng._wrap(seed * 0x9E3779B1 + index), dtype=torch.int32)
+    s = seed % 2**64
+    high = _rng._mix(torch.tensor(_rng._wrap(s >> 32), dtype=torch.int32))
+    h = torch.tensor(_rng._wrap(s * 0x9E3779B1 + index), dtype=torch.int32).bitwise_xor_(high)
     want = _rng._mix(_rng._mix(h).bitwise_xor_(_rng._wrap(index)))
     got = _rng.key_for(seed, index, "cpu")
     assert got.dtype == torch.int32 and got.shape == () and int(got) == int(want)
+
+
+@settings(max_examples=100)
+@given(seed=st.integers(0, 2**32 - 1), index=st.integers(0, 2**20), high=st.integers(1, 2**32 - 1))
+def test_every_bit_of_a_seed_counts(seed: int, index: int, high: int) -> None:
+    """Seeds that differ only above bit 32 got one stream (the key was of the seed modulo
+    2**32); they differ now, and a seed below 2**32 keeps the key it always had
+    (``mix(mix(seed * golden + index) ^ index)``), so its runs and checkpoints are as
+    before. Read modulo 2**64, as torch.manual_seed: -1 is 2**64 - 1."""
+    from mpfunc.core import _rng
+
+    old = _rng._mix_int(_rng._mix_int((seed * 0x9E3779B1 + index) & 0xFFFFFFFF) ^ index)
+    assert int(_rng.key_for(seed, index, "cpu")) == _rng._wrap(old)
+    assert int(_rng.key_for(seed + high * 2**32, index, "cpu")) != _rng._wrap(old)
+    neg = -1 - seed
+    assert int(_rng.key_for(neg, index, "cpu")) == int(_rng.key_for(neg + 2**64, index, "cpu"))
+
+
+def test_seed_out_of_torchs_range_is_refused() -> None:
+    p = {"w": torch.zeros(4, dtype=BF16)}
+    for seed in (2**64, -(2**63) - 1):
+        match = (
+            r"init_master: seed: expected an int in \[-9223372036854775808, 18446744073709551615\]"
+        )
+        _raises(ValueError, match, mpfunc.init_master, p, strategy="stochastic", seed=seed)
+    for seed in (2**64 - 1, -(2**63)):
+        mpfunc.init_master(p, strategy="stochastic", seed=seed)
 
 
 # --- a written param: the buffer of a strategy unit must not outlive it ---------------------

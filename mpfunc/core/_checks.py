@@ -97,14 +97,19 @@ def fail(
 # --- scalars ------------------------------------------------------------------------------
 
 
+def _num(x: float) -> str:
+    """A bound as it reads in errors: an int in full (a seed's 2**64 - 1), a float as %g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _bounds(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
     """``">= 0"``, ``"> 1"``, ``"in [0, 1)"``, ``"in (0, 1)"``: how a range reads in errors."""
-    low = f"[{ge:g}" if ge is not None else (f"({gt:g}" if gt is not None else None)
-    high = f"{le:g}]" if le is not None else (f"{lt:g})" if lt is not None else None)
+    low = f"[{_num(ge)}" if ge is not None else (f"({_num(gt)}" if gt is not None else None)
+    high = f"{_num(le)}]" if le is not None else (f"{_num(lt)})" if lt is not None else None)
     if low is not None and high is not None:
         return f"in {low}, {high}"
-    parts = [f">= {ge:g}" if ge is not None else "", f"> {gt:g}" if gt is not None else ""]
-    parts += [f"<= {le:g}" if le is not None else "", f"< {lt:g}" if lt is not None else ""]
+    parts = [f">= {_num(ge)}" if ge is not None else "", f"> {_num(gt)}" if gt is not None else ""]
+    parts += [f"<= {_num(le)}" if le is not None else "", f"< {_num(lt)}" if lt is not None else ""]
     return " ".join(p for p in parts if p)
 
 

@@ -68,10 +68,15 @@ def _mix_int(x: int) -> int:
 
 def key_for(seed: int, index: int, device: torch.device | str) -> torch.Tensor:
     """The first key of leaf ``index`` under ``seed``: a 0-d int32 tensor on ``device``,
-    ``mix(mix(seed * golden + index) ^ index)``. Hashed in Python integers (the same bits
-    as ``_mix`` on tensors; tests/test_strategies.py checks): a model of 100,000 leaves
-    needs 100,000 keys, and a dozen tensor ops each took seconds."""
-    h = _mix_int(_mix_int((seed * 0x9E3779B1 + index) & 0xFFFFFFFF) ^ (index & 0xFFFFFFFF))
+    ``mix(mix((seed * golden + index) ^ mix(high)) ^ index)``, with ``seed`` read modulo
+    2**64 as ``torch.manual_seed`` reads it and ``high`` its upper 32 bits (so seeds
+    that differ only there, such as ``s`` and ``s + 2**32``, get other streams; ``mix(0)``
+    is 0, so a seed in ``[0, 2**32)`` keeps the key it always had). Hashed in Python
+    integers (the same bits as ``_mix`` on tensors; tests/test_strategies.py checks): a
+    model of 100,000 leaves needs 100,000 keys, and a dozen tensor ops each took seconds."""
+    seed %= 2**64
+    low = ((seed * 0x9E3779B1 + index) & 0xFFFFFFFF) ^ _mix_int(seed >> 32)
+    h = _mix_int(_mix_int(low) ^ (index & 0xFFFFFFFF))
     return torch.tensor(_wrap(h), dtype=torch.int32, device=device)
 
 

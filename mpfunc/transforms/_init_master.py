@@ -89,11 +89,13 @@ def init_master(
         ``dict(model.named_parameters())``. ``None`` leaves are allowed. Each tensor
         must appear once: tied weights listed under two names are refused.
       dtype: ``None`` (default: float32 masters, float64 for float64 params), or
-        ``torch.float32``/``torch.float64`` for every ``"fp32"`` master.
+        ``torch.float32``/``torch.float64`` for every ``"fp32"`` master. The other
+        strategies' masters are their own (``torch.float64`` beside one is refused).
       strategy: a strategy name for every leaf, a tree of names shaped like ``params``,
         or a function ``(path, param) -> name`` (``path`` as in error messages:
         ``"layers.0.weight"``).
-      seed: the seed of the ``"stochastic"`` strategy's random streams (one per leaf).
+      seed: the seed of the ``"stochastic"`` strategy's random streams (one per leaf): an
+        int in ``[-2**63, 2**64)``, read modulo 2**64 as ``torch.manual_seed`` reads it.
       trainable_only: give no master (``None``) to params with ``requires_grad=False``,
         such as frozen base weights under LoRA: the optimizers then skip them.
 
@@ -104,7 +106,8 @@ def init_master(
     Raises:
       TypeError: a leaf is neither a dense tensor nor ``None``, a leaf is complex, or
         ``dtype`` is not a dtype.
-      ValueError: ``dtype`` is not float32 or float64 or is narrower than a param, two
+      ValueError: ``dtype`` is not float32 or float64 or is narrower than a param (or
+        float64 beside a strategy other than ``"fp32"``), two
         leaves share memory (one tensor under two names), a strategy name is unknown, or
         a strategy cannot apply to a leaf (``"remainder"`` on an fp32 param: the error
         names the path and why).
@@ -115,7 +118,7 @@ def init_master(
     """
     fn = "init_master"
     dtype = _checks.master_dtype(fn, dtype)
-    seed = _checks.integer(fn, "seed", seed)
+    seed = _checks.integer(fn, "seed", seed, ge=-(2**63), le=2**64 - 1)  # torch's range
     side, spec = _checks.tensor_leaves(fn, "params", params)
     check_params(fn, side, dtype)
     trained = [
@@ -126,6 +129,16 @@ def init_master(
     ]
     kinds = _strategy.resolve(fn, strategy, side._replace(leaves=trained))
     _strategy.check_applies(fn, side, kinds)
+    if dtype is not None and dtype != torch.float32:
+        for i, s in enumerate(kinds):
+            if s is not None and s.unit is not None:  # its master is the strategy's, not dtype's
+                _checks.fail(
+                    ValueError, fn, side.path(i),
+                    f"dtype None or torch.float32 beside strategy {s.name!r} (dtype sets "
+                    f"\"fp32\" masters; a {s.name!r} master is the param plus its "
+                    f"strategy's buffers)", f"dtype={dtype}",
+                    "Use strategy=\"fp32\" for these leaves to keep float64 masters",
+                )  # fmt: skip
     with torch.no_grad():
         masters = [
             None
