@@ -389,3 +389,33 @@ def test_a_new_state_on_remembered_trees_is_swept_once(monkeypatch: pytest.Monke
         _update(t)
     assert_unchanged(trees, snap)
     assert len(sweeps) == 2, sweeps
+
+
+def test_the_hint_fits_the_aliasing() -> None:
+    """Tied params are "trained twice"; a tensor given to two trees of a call (a grad that
+    is its own output, a master or a moment) or twice within an output tree is told
+    what it is (both said "trained twice ... untie the weights")."""
+    p = {"w": torch.randn(4, 8).to(BF16)}
+    m = mpfunc.init_master(p)
+    opt = mpfunc.adamw()
+    s = opt.init(m)
+    g32 = {"w": torch.randn(4, 8)}
+    twice = {"a": torch.zeros(8), "b": None}
+    twice["b"] = twice["a"][:4]
+    x = torch.zeros(8, dtype=BF16)
+    cases: list[tuple[Callable[[], Any], str]] = [
+        (lambda: mpfunc.grads_to_fp32_(g32, g32), r"at 'grads\.w'.*shares no memory with "
+         r"'out\.w'.*A write through one would change the other mid-call: pass grads and out "
+         r"that share no memory \(clone one\)$"),
+        (lambda: mpfunc.apply_update_(m, {"w": s.exp_avg["w"]}, s, opt), r"at 'grads\.w'.*"
+         r"'state\.exp_avg\.w'.*pass grads and state\.exp_avg that share no memory"),
+        (lambda: mpfunc.grads_to_fp32_({"a": x, "b": x[:4]}, twice), r"at 'out\.a'.*"
+         r"'out\.b'.*written twice: give each leaf its own$"),
+        (lambda: mpfunc.init_master({"a": x, "b": x[:4]}), r"at 'params\.a'.*'params\.b'.*"
+         r"trained twice and one update lost.*untie the weights$"),
+    ]  # fmt: skip
+    for call, match in cases:
+        snap = snapshot([p, m, s, g32, twice])
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_unchanged([p, m, s, g32, twice], snap)

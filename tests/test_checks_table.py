@@ -89,7 +89,10 @@ MASTER_SHAPE = "shape (1, 3) (the master's)"
 MASTER_DTYPE = "torch.float32 (the master's dtype)"
 STATE_SHAPE = "shape (1, 3) (the master's)"
 STATE_DTYPE = "torch.float32 (the master's dtype)"
-NO_MASTER_GRAD = "None (this leaf has no master: init_master gives none to non-floating params)"
+NO_MASTER_GRAD = (
+    "None (this leaf has no master: init_master gives none to non-floating params, and to "
+    "frozen ones (requires_grad=False) under trainable_only=True)"
+)
 
 
 OPTIMIZERS: dict[str, Callable[[], mpfunc.Optimizer]] = {

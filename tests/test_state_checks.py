@@ -97,3 +97,22 @@ def test_the_bulk_check_passes_right_fields(sd: torch.dtype) -> None:
         # Each field's map is its own: the first moment's codes are not the second's.
         swapped = "square" if kind == "moment" else "moment"
         assert not fmt.all_right(swapped, moments, faces)
+
+
+@pytest.mark.parametrize("sd", [torch.uint8, U4], ids=["uint8", "uint4"])
+@pytest.mark.parametrize("name", ["adam", "adamw", "lion", "sgd"])
+def test_a_small_leaf_points_at_partition_with_its_own_optimizer(
+    sd: torch.dtype, name: str
+) -> None:
+    """The hint's ``partition`` names the optimizer in use (it always said ``adamw``)."""
+    masters = mpfunc.init_master({"w": torch.zeros(8, 8), "t": torch.zeros(3)})
+    kw = {"lr": 0.1, "momentum": 0.9} if name == "sgd" else {}
+    opt = getattr(mpfunc, name)(state_dtype=sd, **kw)
+    key = "torch.uint8" if sd == torch.uint8 else "torch.uint4"
+    with pytest.raises(ValueError, match=(
+        rf"{name}\.init: at 'masters\.t': expected a leaf of at least 32 elements for "
+        rf"state_dtype={key}, got 3 elements\. Keep small leaves in fp32 state: "
+        rf"mpfunc\.partition\(\{{'big': mpfunc\.{name}\(\.\.\., state_dtype={key}\), "
+        rf"'small': mpfunc\.{name}\(\.\.\.\)\}}, labels\)"
+    )):  # fmt: skip
+        opt.init(masters)

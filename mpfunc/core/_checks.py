@@ -970,14 +970,25 @@ def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int
     path_a = sides[a[0]].path(a[1])
     path_b = sides[b[0]].path(b[1])
     t = sides[b[0]].leaves[b[1]]
+    if a[0] != b[0]:  # two trees of the call: a grad that is its own output, a master...
+        hint = (
+            f"A write through one would change the other mid-call: pass {sides[b[0]].name} "
+            f"and {sides[a[0]].name} that share no memory (clone one)"
+        )
+    elif sides[a[0]].name.split(".")[0] in ("params", "masters"):
+        hint = (
+            "One tensor under two names would be trained twice and one update lost: list "
+            "each parameter once (model.named_parameters() does), or untie the weights"
+        )
+    else:
+        hint = "One tensor under two names would be written twice: give each leaf its own"
     fail(
         ValueError,
         fn,
         path_b,
         f"a tensor that shares no memory with {path_a!r}",
         f"{describe(t)} aliasing it",
-        "One tensor under two names would be trained twice and one update lost: list each "
-        "parameter once (model.named_parameters() does), or untie the weights",
+        hint,
     )
 
 

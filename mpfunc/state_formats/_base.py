@@ -8,9 +8,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.core import _rng
+from mpfunc.core import _checks, _rng
 
-__all__ = ["Problem", "StateFormat", "encoded_all_right", "keys"]
+__all__ = ["Problem", "StateFormat", "encoded_all_right", "keys", "whole_blocks"]
 
 # What is wrong with a stored moment: (exception type, expected, got), or ``None``.
 Problem = tuple[type[Exception], str, str] | None
@@ -135,3 +135,23 @@ def store_codes(
         scales = [torch.where(skip, s, q.scale) for (_, s), q in zip(old, xs)]
         torch._foreach_copy_([q.codes for q in xs], codes)
         torch._foreach_copy_([q.scale for q in xs], scales)
+
+
+def whole_blocks(fn: str, side: _checks.Side, faces: list[Any], block: int, key: str) -> None:
+    """A blockwise format's ``check_init``: every leaf holds at least one whole block. A
+    smaller one (a 3-element bias, a 0-d temperature) would spend a scale on a handful
+    of bytes for no saving worth having, so it gets a clear error that points to
+    ``partition`` with the optimizer ``fn`` belongs to (``"lion.init"``: ``mpfunc.lion``),
+    before anything is made."""
+    name = fn.split(".", 1)[0] if fn.endswith(".init") else "adamw"
+    for i, f in enumerate(faces):
+        if f is not None and f.numel() < block:
+            _checks.fail(
+                ValueError, fn, side.path(i),
+                f"a leaf of at least {block} elements for state_dtype={key}",
+                f"{f.numel()} elements",
+                f"Keep small leaves in fp32 state: mpfunc.partition({{'big': "
+                f"mpfunc.{name}(..., state_dtype={key}), 'small': mpfunc.{name}(...)}}, labels) "
+                f"with labels from a function such as lambda path, p: 'big' if p.numel() >= "
+                f"4096 else 'small'",
+            )  # fmt: skip

@@ -27,7 +27,13 @@ import torch
 from mpfunc.core import _checks
 from mpfunc.parallel import _sharding
 from mpfunc.state_formats import _quantize4
-from mpfunc.state_formats._base import Problem, StateFormat, encoded_all_right, store_codes
+from mpfunc.state_formats._base import (
+    Problem,
+    StateFormat,
+    encoded_all_right,
+    store_codes,
+    whole_blocks,
+)
 from mpfunc.state_formats._quantize4 import Q4State
 
 __all__ = ["FORMAT", "KEY", "Q4State"]
@@ -87,20 +93,8 @@ def _all_right(kind: str, xs: list[Any], likes: list[torch.Tensor]) -> bool:
 
 
 def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
-    """As at 8 bits: a leaf needs at least one whole block; a smaller one gets a clear
-    error that points to ``partition``, before anything is made."""
-    for i, f in enumerate(faces):
-        if f is not None and f.numel() < _quantize4.BLOCK:
-            _checks.fail(
-                ValueError,
-                fn,
-                side.path(i),
-                f"a leaf of at least {_quantize4.BLOCK} elements for state_dtype=torch.uint4",
-                f"{f.numel()} elements",
-                "Keep small leaves in fp32 state: mpfunc.partition({'big': mpfunc.adamw(..., "
-                "state_dtype=torch.uint4), 'small': mpfunc.adamw(...)}, labels) with labels "
-                "from a function such as lambda path, p: 'big' if p.numel() >= 4096 else 'small'",
-            )
+    """A leaf needs at least one whole block (``_base.whole_blocks``)."""
+    whole_blocks(fn, side, faces, _quantize4.BLOCK, "torch.uint4")
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,7 +18,13 @@ import torch
 
 from mpfunc.core import _checks
 from mpfunc.state_formats import _quantize
-from mpfunc.state_formats._base import Problem, StateFormat, encoded_all_right, store_codes
+from mpfunc.state_formats._base import (
+    Problem,
+    StateFormat,
+    encoded_all_right,
+    store_codes,
+    whole_blocks,
+)
 from mpfunc.state_formats._quantize import QState
 
 __all__ = ["FORMAT", "QState"]
@@ -80,22 +86,8 @@ def _all_right(kind: str, xs: list[Any], likes: list[torch.Tensor]) -> bool:
 
 
 def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
-    """8-bit moments need at least one whole block per leaf: a smaller leaf (a 3-element
-    bias, a 0-d temperature) would spend a bf16 scale on a handful of bytes and round
-    its moments coarsely for no saving worth having. Such leaves get a clear error that
-    points to ``partition``."""
-    for i, f in enumerate(faces):
-        if f is not None and f.numel() < _quantize.BLOCK:
-            _checks.fail(
-                ValueError,
-                fn,
-                side.path(i),
-                f"a leaf of at least {_quantize.BLOCK} elements for state_dtype=torch.uint8",
-                f"{f.numel()} elements",
-                "Keep small leaves in fp32 state: mpfunc.partition({'big': mpfunc.adamw(..., "
-                "state_dtype=torch.uint8), 'small': mpfunc.adamw(...)}, labels) with labels "
-                "from a function such as lambda path, p: 'big' if p.numel() >= 4096 else 'small'",
-            )
+    """A leaf needs at least one whole block (``_base.whole_blocks``)."""
+    whole_blocks(fn, side, faces, _quantize.BLOCK, "torch.uint8")
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:

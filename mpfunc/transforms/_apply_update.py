@@ -43,7 +43,10 @@ _GRADS = Like(
     what="a floating-point grad",
     optional=True,
     hint="Pass the grads of these masters' params",
-    none_why="this leaf has no master: init_master gives none to non-floating params",
+    none_why=(
+        "this leaf has no master: init_master gives none to non-floating params, and to "
+        "frozen ones (requires_grad=False) under trainable_only=True"
+    ),
 )
 _PARAMS = Like(
     "the master's",
