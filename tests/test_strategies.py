@@ -946,3 +946,63 @@ def test_kahan_pruned_param_stays_zero_on_xla(xla_device: torch.device) -> None:
     got = _pruned_kahan(xla_device, "auto", torch.bfloat16)
     assert_bits_equal(got[0], ref[0])
     assert bool((got[1][:, :32] == 0).all())
+
+
+# --- a unit whose param shows another master ------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["remainder", "kahan", "stochastic"])
+def test_rolling_back_to_units_whose_param_was_overwritten_is_refused(strategy: str) -> None:
+    """Try a pure step, write it into the model, roll back with the old masters: a unit
+    holds the model's param itself, which now shows the new master, so the rollback wrote
+    nothing and said nothing. Refused now, naming the path, with nothing written; a deep
+    copy taken first rolls back bit for bit; the pure loop that goes on from the new
+    masters, a unit made afresh, a write to the param since (the param is the truth) and
+    "fp32" masters are not refused."""
+    import copy
+
+    from support.helpers import assert_unchanged, snapshot
+
+    gen = torch.Generator().manual_seed(5)
+    p = {
+        "w": torch.randn(8, 8, generator=gen).to(BF16),
+        "b": torch.randn(8, generator=gen).to(BF16),
+    }
+    before = {k: v.clone() for k, v in p.items()}
+    m = mpfunc.init_master(p, strategy=strategy, seed=3)
+    kept = copy.deepcopy(m)
+    opt = mpfunc.sgd(lr=0.5)
+    s = opt.init(m)
+    g = {k: torch.randn(v.shape, generator=gen).to(BF16) for k, v in p.items()}
+    m2, s2 = mpfunc.apply_update(m, g, s, opt)
+    mpfunc.masters_to_model_(m2, p)
+    assert not torch.equal(p["w"], before["w"])
+    snap = snapshot(p)
+    with pytest.raises(ValueError, match=(
+        rf"masters_to_model_: at 'masters\.b': expected a master whose value is still there "
+        rf"\(a '{strategy}' master keeps the model's param itself as its high part\), got one "
+        rf"whose param was overwritten since by masters_to_model_ with other masters .*"
+        rf"copy\.deepcopy\(masters\)"
+    )):  # fmt: skip
+        mpfunc.masters_to_model_(m, p)
+    assert_unchanged(p, snap)
+    m3, _ = mpfunc.apply_update(m2, g, s2, opt)  # the pure loop goes on
+    mpfunc.masters_to_model_(m3, p)
+    mpfunc.masters_to_model_(kept, p)  # the copy rolls back
+    for k in p:
+        assert_bits_equal(p[k], before[k])
+    fresh = mpfunc.init_master(p, strategy=strategy)
+    mpfunc.masters_to_model_(m2, p)
+    for stale in (fresh, m):  # fresh was made before that copy: stale too
+        with pytest.raises(ValueError, match="overwritten since"):
+            mpfunc.masters_to_model_(stale, p)
+    newer = mpfunc.init_master(p, strategy=strategy)  # made after it: its value is p's
+    mpfunc.masters_to_model_(newer, p)
+    with torch.no_grad():
+        p["w"].mul_(1.0)
+        p["b"].mul_(1.0)
+    mpfunc.masters_to_model_(m, p)  # written since: the param is the truth, as documented
+    m32 = mpfunc.init_master(p)
+    m32b, _ = mpfunc.apply_update(m32, g, mpfunc.adamw().init(m32), mpfunc.adamw())
+    mpfunc.masters_to_model_(m32b, p)
+    mpfunc.masters_to_model_(m32, p)

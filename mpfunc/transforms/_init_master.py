@@ -9,7 +9,7 @@ import torch
 from mpfunc.core import _checks, _gc, _tree
 from mpfunc.core._checks import Side
 from mpfunc.core._tensors import fresh_copy
-from mpfunc.strategies import _strategy
+from mpfunc.strategies import _overwritten, _strategy
 
 __all__ = ["check_params", "init_master", "master_dtype_for"]
 
@@ -148,4 +148,5 @@ def init_master(
             else s.make(p, seed, i)
             for i, (p, s) in enumerate(zip(side.leaves, kinds))
         ]
+    _overwritten.made(masters)  # for masters_to_model_'s stale-unit check
     return _tree.unflatten(spec, masters)

@@ -10,7 +10,7 @@ from mpfunc.backends import _plan
 from mpfunc.core import _cache, _checks, _gc, _tensors, _tree
 from mpfunc.core._checks import Like, Side
 from mpfunc.parallel import _sharding
-from mpfunc.strategies import _strategy
+from mpfunc.strategies import _overwritten, _strategy
 
 __all__ = ["masters_to_model", "masters_to_model_"]
 
@@ -31,20 +31,23 @@ def _sources(masters: list[Any], params: list[Any]) -> list[Any]:
     ]
 
 
-def _check(fn: str, masters: Any, params: Any, in_place: bool) -> tuple[Side, Side, Any, bool]:
+def _check(
+    fn: str, masters: Any, params: Any, in_place: bool
+) -> tuple[Side, Side, Any, bool, Side]:
     """Masters (a unit stands for its param: it holds the rounded master already) and
-    params, checked; returns the masters as the tensors to round from, and whether no
-    master is a unit."""
+    params, checked; returns the masters as the tensors to round from, whether no
+    master is a unit, and the masters as given (units whole)."""
     m, m_spec = _strategy.master_leaves(fn, "masters", masters)
     p, p_spec = _checks.tensor_leaves(fn, "params", params)
     _checks.check_same_structure(fn, "masters", masters, m_spec, "params", params, p_spec)
     plain = not any(_strategy.is_unit(x) for x in m.leaves)
     _checks.check_pairs(fn, m._replace(leaves=[_strategy.face(x) for x in m.leaves]), p, _PARAMS)
+    given = m
     if in_place:
         m = m._replace(leaves=_sources(m.leaves, p.leaves))
     else:
         m = m._replace(leaves=[_strategy.face(x) for x in m.leaves])
-    return m, p, p_spec, plain
+    return m, p, p_spec, plain, given
 
 
 def _recall(
@@ -66,14 +69,16 @@ def _recall(
 
 def _recalled(
     plain: bool, flat: list[tuple[list[Any], Any, Any]], masters: Any, params: Any
-) -> tuple[Side, Side]:
+) -> tuple[Side, Side, Side]:
     """What ``_check(..., in_place=True)`` returned for identical inputs, without checking
-    (``plain``: no master is a unit, so the flat leaves are the masters' leaves)."""
+    (``plain``: no master is a unit, so the flat leaves are the masters' leaves), and the
+    masters as given (units whole)."""
     p = Side("params", params, flat[1][0])
     if plain:
-        return Side("masters", masters, flat[0][0], units=True), p
-    leaves = _tree.flatten(masters, units=True)[0]
-    return Side("masters", masters, _sources(leaves, p.leaves), units=True), p
+        m = Side("masters", masters, flat[0][0], units=True)
+        return m, p, m
+    given = Side("masters", masters, _tree.flatten(masters, units=True)[0], units=True)
+    return given._replace(leaves=_sources(given.leaves, p.leaves)), p, given
 
 
 @_gc.without_gc
@@ -97,7 +102,7 @@ def masters_to_model(masters: Any, params: Any) -> Any:
       TypeError: a master is not float32/float64 or its parameter is not floating point.
       ValueError: the trees differ in structure, or a shape or device differs.
     """
-    m, p, spec, _ = _check("masters_to_model", masters, params, in_place=False)
+    m, p, spec, _, _ = _check("masters_to_model", masters, params, in_place=False)
     with torch.no_grad():
         # Each new param has its param's XLA SPMD sharding, not its master's (ZeRO-1).
         out = [
@@ -134,15 +139,20 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
     # opened) passed these checks before: they are skipped (see _cache.memo_entry).
     key, flat, entry = _recall(fn, masters, params)
     if entry is not None and entry.info is not None:
-        m, p = _recalled(entry.info, flat, masters, params)
+        plain = entry.info
+        m, p, given = _recalled(plain, flat, masters, params)
     else:
-        m, p, _, plain = _check(fn, masters, params, in_place=True)
+        m, p, _, plain, given = _check(fn, masters, params, in_place=True)
         written = p.where_present(m.leaves)
         _checks.check_writable(fn, [written])
         _checks.check_no_alias(fn, written=[written], read=[m])
         entry = _cache.memo_passed(key, [k for _, _, k in flat])
         if entry is not None:
             entry.info = plain
+    if not plain:  # a unit whose param shows another master: its value is gone
+        _overwritten.check_not_stale(fn, given, p)
     pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]
     _plan.copy_grouped_([q for q, _ in pairs], [t for _, t in pairs])
+    if not plain:
+        _overwritten.overwrote(given.leaves, p.leaves)
     return params
