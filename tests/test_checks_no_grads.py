@@ -63,11 +63,15 @@ def test_masters_without_any_floating_leaf_need_no_grad() -> None:
 
 def test_master_optimizer_step_without_grads_does_nothing() -> None:
     """``MasterOptimizer`` is a torch.optim.Optimizer: a step where no param has a
-    ``.grad`` does nothing, as torch.optim's does."""
+    ``.grad`` does nothing, as torch.optim's does, and warns once (NoGradWarning: the
+    usual cause, a model moved after the optimizer was made, trains nothing)."""
+    from mpfunc.optim._master_optimizer import NoGradWarning
+
     model = torch.nn.Linear(3, 2).to(BF16)
     opt = mpfunc.MasterOptimizer(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    opt.step()
+    with pytest.warns(NoGradWarning):
+        opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert opt.state_dict()["state"] == {} or all(
         int(s["step"]) == 0 for s in opt.state_dict()["state"].values()

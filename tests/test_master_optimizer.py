@@ -22,6 +22,7 @@ from support.trees import sync
 
 import mpfunc
 from mpfunc.core import _tree
+from mpfunc.optim._master_optimizer import NoGradWarning
 
 LS = torch.optim.lr_scheduler
 STEPS = 12
@@ -550,9 +551,34 @@ def test_params_written_outside_are_taken_up() -> None:
     assert_bits_equal(masters(opt)[1], kept)
     params[0].grad = params[1].grad = None
     params[2].grad = params[3].grad = None
-    opt.step()  # no grads: only the resync
+    with pytest.warns(NoGradWarning, match="no param this optimizer trains has a .grad"):
+        opt.step()  # no grads: only the resync
     assert_bits_equal(masters(opt)[0], loaded[0].float())
     assert_bits_equal(masters(opt)[1], kept)
+
+
+def test_a_model_moved_after_the_optimizer_is_not_trained_silently() -> None:
+    """``model.to(device)`` after making the optimizer gives the model new Parameters on
+    a device whose tensors cannot share a CPU one's (XLA, CUDA); the optimizer's params
+    never get a grad, and torch.optim (and mpfunc) then step nothing with no word. The
+    first step without any grad warns, naming that cause; once per optimizer, and never
+    where grads exist."""
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = mpfunc.MasterOptimizer(model.parameters(), mpfunc.adamw, lr=1e-2)
+    held = list(model.parameters())
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())  # what .to(xla) does
+    model.bias = torch.nn.Parameter(model.bias.detach().clone())
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    cause = r"moved with \.to\(device\)/\.cuda\(\) after the optimizer was made.*make the"
+    with pytest.warns(NoGradWarning, match=cause):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once per optimizer
+        opt2 = mpfunc.MasterOptimizer(held, mpfunc.adamw, lr=1e-2)
+        held[0].grad = torch.ones_like(held[0])
+        opt2.step()  # a grad somewhere: no warning
+    assert all(p.grad is None for p in held[1:])
 
 
 # --- opt.state is the live state, as in torch.optim -----------------------------------------

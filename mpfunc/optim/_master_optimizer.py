@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -44,7 +45,7 @@ from mpfunc.transforms._apply_update import apply_update_
 from mpfunc.transforms._init_master import check_params, init_master
 from mpfunc.transforms._partition import partition
 
-__all__ = ["MasterOptimizer"]
+__all__ = ["MasterOptimizer", "NoGradWarning"]
 
 _MASTER = "master"
 
@@ -102,6 +103,19 @@ def _entry(state: Any, j: int, master: Any) -> dict[str, Any]:
              if getattr(state, name) is not None}  # fmt: skip
     entry.update(_master_entries(master))
     return entry
+
+
+class NoGradWarning(UserWarning):
+    """``MasterOptimizer.step()`` found no grad on any param it trains (once per optimizer)."""
+
+
+_NO_GRAD = (
+    "MasterOptimizer.step: no param this optimizer trains has a .grad, so nothing was stepped "
+    "(as in torch.optim). The usual cause: the model was moved with .to(device)/.cuda() after "
+    "the optimizer was made, which gives it new Parameter objects the optimizer does not hold "
+    "(make the optimizer after moving the model); else backward() was not called, or every "
+    "param is frozen. Warned once per optimizer"
+)
 
 
 def _version(m: Any) -> int:
@@ -254,6 +268,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._lr_dev: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}
         self._varying: set[str] = set()  # groups whose non-lr values change (XLA: foreach)
         self._opt: Optimizer | None = None  # the partition, rebuilt when a group changes
+        self._warned_no_grad = False  # NoGradWarning: once per optimizer
         super().__init__(params, full)
         if step_in_backward:
             self._in_backward = _step_in_backward.optimizer_hooks(self)
@@ -663,6 +678,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         grads = [None if m is None else p.grad for p, m in zip(self._params, self._masters)]
         if all(g is None for g in grads):
             self._master_versions = [_version(m) for m in self._masters]
+            if not self._warned_no_grad and any(m is not None for m in self._masters):
+                self._warned_no_grad = True
+                warnings.warn(_NO_GRAD, NoGradWarning, stacklevel=3)  # torch wraps step
             return loss  # no param has a grad: nothing to step, as in torch.optim
         # One pass: grads upcast (and unscaled) inside the step, params written back.
         apply_update_(
