@@ -118,3 +118,104 @@ def test_encoded_state_resumes_through_torch_load_weights_only(
     ):
         o3.load_state_dict(saved)
     _assert_unchanged(before)
+
+
+def _torch_run(cls: type, steps: int, **kw: object) -> tuple[list[torch.nn.Parameter], object]:
+    """fp32 params trained ``steps`` steps by torch.optim, and the optimizer."""
+    gen = torch.Generator().manual_seed(9)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((6, 4), (4,), ())]
+    opt = cls(params, **kw)
+    for k in range(steps):
+        g = torch.Generator().manual_seed(100 + k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+
+
+def _grads(k: int, *trees: list[torch.nn.Parameter]) -> None:
+    g = torch.Generator().manual_seed(200 + k)
+    for ps in zip(*trees):
+        x = torch.randn(ps[0].shape, generator=g)
+        for p in ps:
+            p.grad = x.to(p.dtype)
+
+
+@pytest.mark.parametrize(
+    ("cls", "factory", "kw"),
+    [
+        (torch.optim.AdamW, mpfunc.adamw, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+        (torch.optim.AdamW, mpfunc.adamw, {"lr": 1e-2, "amsgrad": True, "fused": True}),
+        (torch.optim.Adam, mpfunc.adam, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+        (torch.optim.SGD, mpfunc.sgd, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5}),
+    ],
+    ids=["adamw", "adamw-amsgrad", "adam", "sgd"],
+)
+def test_a_torch_optim_checkpoint_resumes(cls: type, factory: object, kw: dict) -> None:
+    """Migrating: the state_dict of the torch.optim run before (its moments, step counts
+    and hyperparameters) loads into a MasterOptimizer over the same params, the masters
+    made from the params as they stand; the run then goes on as torch.optim's does (fp32
+    params: bit for bit where both run torch's fused kernel, else within the bound). It
+    said "expected the hyperparameters ... got no impl, state_dtype"."""
+    from tests.support.helpers import assert_close_bound
+
+    ref, ref_opt = _torch_run(cls, 3, **kw)
+    sd = ref_opt.state_dict()
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    mine = {k: v for k, v in kw.items() if k != "fused"}
+    opt = mpfunc.MasterOptimizer(params, factory, **{**mine, "lr": 0.5})  # type: ignore[arg-type]
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == kw["lr"] and opt.param_groups[0]["impl"] == "auto"
+    for k in range(4):
+        _grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        if cls is torch.optim.SGD:
+            assert_close_bound(p, r, lr=1e-2, steps=7)
+        else:
+            assert_bits_equal(p.detach(), r.detach())
+            for name, t in ref_opt.state[r].items():
+                assert_bits_equal(opt.state[p][name], t)
+
+
+def test_a_torch_optim_checkpoint_into_bf16_params_and_what_is_refused() -> None:
+    """Into a bf16 model (the usual migration): the moments and step counts are torch's,
+    each master the bf16 param widened (the file holds no fp32 master). A torch.optim.Adam
+    state into mpfunc.adamw (weight_decay means another update) and any state into an
+    optimizer with 8-bit moments are refused, naming why, with nothing written."""
+    ref, ref_opt = _torch_run(torch.optim.AdamW, 2, lr=1e-2)
+    params = [torch.nn.Parameter(p.detach().to(BF16)) for p in ref]
+    for strategy in ("fp32", "remainder"):
+        opt = mpfunc.MasterOptimizer(params, mpfunc.adamw, strategy=strategy, lr=1e-2)
+        opt.load_state_dict(ref_opt.state_dict())
+        for p, r in zip(params, ref):
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert_bits_equal(opt.state[p][name], ref_opt.state[r][name])
+        if strategy == "fp32":
+            for p in params:
+                assert_bits_equal(opt.state[p]["master"], p.detach().float())
+    _, adam = _torch_run(torch.optim.Adam, 1, lr=1e-2)
+    for factory, kw, saved, match in [
+        (mpfunc.adamw, {}, adam,
+         r"param_groups\[0\]: expected the state of a torch\.optim\.AdamW \(mpfunc\.adamw\), "
+         r"got one with decoupled_weight_decay=False.*Use mpfunc\.adam$"),
+        (mpfunc.adamw, {"state_dtype": torch.uint8}, ref_opt,
+         r"param_groups\[0\]: expected state_dtype=None to load a torch\.optim state_dict"),
+    ]:  # fmt: skip
+        if saved is adam and "decoupled_weight_decay" not in adam.state_dict()["param_groups"][0]:
+            continue  # torch < 2.7 records no such key: Adam's and AdamW's states look alike
+        p = [torch.nn.Parameter(torch.randn(64, 32).to(BF16))]
+        opt = mpfunc.MasterOptimizer(p, factory, lr=1e-2, **kw)  # type: ignore[arg-type]
+        p[0].grad = torch.ones_like(p[0])
+        opt.step()
+        sd = {
+            "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(64, 32),
+                          "exp_avg_sq": torch.zeros(64, 32)}},
+            "param_groups": [dict(saved.state_dict()["param_groups"][0], params=[0])],
+        }  # fmt: skip
+        state = opt.state_dict()
+        before = _snapshot([p, state["state"][0]["master"], state["state"][0]["step"]])
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        _assert_unchanged(before)

@@ -35,7 +35,7 @@ from mpfunc.backends import _plan
 from mpfunc.core import _checks
 from mpfunc.core._checks import Side
 from mpfunc.core._optimizer import Optimizer
-from mpfunc.optim._adam import adamw
+from mpfunc.optim._adam import adam, adamw
 from mpfunc.optim._migrate import native_factory
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder
@@ -121,6 +121,20 @@ _NO_GRAD = (
 def _version(m: Any) -> int:
     """An "fp32" master's version counter; -1 for none or another strategy's unit."""
     return m._version if isinstance(m, torch.Tensor) else -1
+
+
+def _from_torch_entry(entry: Mapping[str, Any], live: Mapping[str, Any], m: Any) -> dict[str, Any]:
+    """A torch.optim state entry as this optimizer's: its tensors as saved (``None``
+    values, such as SGD's unused ``momentum_buffer``, left out), the master made from the
+    model's param (``m``: torch.optim keeps none), and, where torch keeps no step count
+    (SGD), 1 once the param has state (its first step is behind it) else 0."""
+    out = {k: v for k, v in entry.items() if v is not None}
+    out.update(_master_entries(m))
+    if "step" in live and "step" not in out:
+        t = live["step"]
+        stepped = any(isinstance(v, torch.Tensor) for v in out.values())
+        out["step"] = torch.full_like(t, 1.0 if stepped else 0.0)
+    return out
 
 
 def _untied(
@@ -317,7 +331,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         cls, torch_opt: torch.optim.Optimizer, *, strategy: str = "fp32"
     ) -> MasterOptimizer:
         """A ``MasterOptimizer`` over the same param groups, with the same values, as a
-        built ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (its state is not copied)."""
+        built ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (its state is not copied: its
+        ``state_dict()`` loads with ``load_state_dict``)."""
         fn = "MasterOptimizer.from_torch"
         native = native_factory(fn, torch_opt)
         if native is None:
@@ -712,7 +727,12 @@ class MasterOptimizer(torch.optim.Optimizer):
     # --- checkpoints ----------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Loads a ``state_dict()`` of a MasterOptimizer over the same param groups.
+        """Loads a ``state_dict()`` of a MasterOptimizer over the same param groups, or of
+        the ``torch.optim.Adam``, ``AdamW`` or ``SGD`` the run used before (migrating a
+        checkpoint): its moments and step counts are taken as they are (fp32 state only),
+        each master is made from the model's param as it stands (load the model's weights
+        first; with bf16 params the fp32 low bits of the old run are not in the file), and
+        mpfunc's own group keys (``impl``, ``state_dtype``) keep this optimizer's values.
 
         Everything is checked first (groups, sizes, every state entry's keys, shapes and
         dtypes; devices may differ), then the values are copied into the optimizer's own
@@ -741,6 +761,7 @@ class MasterOptimizer(torch.optim.Optimizer):
                 f"{fn}: param_groups: expected {len(self.param_groups)} groups, got "
                 f"{len(saved_groups)}"
             )
+        foreign = self._torch_optim_format(fn, saved_groups, saved_state)
         index: dict[Any, int] = {}
         start = 0
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
@@ -761,8 +782,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         made: dict[int, tuple[Any, Any]] = {}
         for k, entry in saved_state.items():
             j = index[k]
-            if entry and self._masters[j] is None:
-                self._built_for_load(fn)
+            if entry and (self._masters[j] is None or foreign):
+                self._built_for_load(fn)  # (from torch.optim: masters made from the params)
                 made[j] = self._made(j)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -776,6 +797,8 @@ class MasterOptimizer(torch.optim.Optimizer):
                 live = self.state.get(p) if self._masters[j] is not None else None
             entry = saved_state.get(saved_at[j]) or {}
             where = f"state[{saved_at[j]}] ({self._names[j]})"
+            if foreign and entry and live:
+                entry = _from_torch_entry(entry, live, made[j][0])
             if not live:
                 if entry:
                     raise ValueError(f"{fn}: {where}: expected no state (a frozen param), got "
@@ -821,6 +844,42 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._opt = None
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+    def _torch_optim_format(
+        self, fn: str, groups: list[dict[str, Any]], state: Mapping[Any, Any]
+    ) -> bool:
+        """Whether ``groups``/``state`` are a torch.optim ``state_dict`` (none of mpfunc's
+        own group keys, no master in any entry): then each group takes this optimizer's
+        values for those keys (in place), after checking that the moments can be taken as
+        they are (fp32 state) and that the weight decay keeps its meaning."""
+        own = [k for k in ("impl", "state_dtype") if k in self._keys]
+        masters = {"master", *(f for m in self._masters if m is not None
+                               for f in _master_entries(m))}  # fmt: skip
+        if not own or any(k in g for g in groups for k in own):
+            return False
+        if any(isinstance(e, Mapping) and set(e) & masters for e in state.values()):
+            return False
+        for i, (group, saved) in enumerate(zip(self.param_groups, groups)):
+            where = f"{fn}: param_groups[{i}]"
+            sd = group.get("state_dtype")
+            if sd not in (None, torch.float32):
+                raise ValueError(
+                    f"{where}: expected state_dtype=None to load a torch.optim state_dict (its "
+                    f"moments are fp32, taken as they are), got {sd}. Load it into a "
+                    f"MasterOptimizer with fp32 state"
+                )
+            decoupled = saved.get("decoupled_weight_decay")
+            want = self._factory is adamw
+            if decoupled is not None and self._factory in (adam, adamw) and bool(decoupled) != want:
+                raise ValueError(
+                    f"{where}: expected the state of a torch.optim.{'AdamW' if want else 'Adam'} "
+                    f"(mpfunc.{'adamw' if want else 'adam'}), got one with decoupled_weight_decay="
+                    f"{bool(decoupled)}: its weight_decay means another update. Use "
+                    f"mpfunc.{'adamw' if decoupled else 'adam'}"
+                )
+            for k in own:
+                saved[k] = group[k]
+        return True
 
     def _check_values(self, where: str, i: int, values: Mapping[str, Any]) -> None:
         """Group ``i``'s values as loaded meet the rules the constructor applies: every
