@@ -581,6 +581,41 @@ def test_a_model_moved_after_the_optimizer_is_not_trained_silently() -> None:
     assert all(p.grad is None for p in held[1:])
 
 
+@pytest.mark.parametrize("change", ["append", "replace", "new group", "drop group"])
+def test_params_added_by_hand_are_refused_not_left_untrained(change: str) -> None:
+    """torch.optim trains a param appended to ``param_groups[i]["params"]`` (its state is
+    made at the first step); MasterOptimizer makes masters when a group is added, so such
+    a param, another list or a group appended or removed by hand was silently not trained.
+    Refused before anything is written; add_param_group still works."""
+    params = make_params()
+    opt = mpfunc.MasterOptimizer(params[:3], mpfunc.adamw, lr=1e-2)
+    extra = params[3]
+    groups = opt.param_groups
+    if change == "append":
+        groups[0]["params"].append(extra)
+        match = r"param_groups\[0\]\['params'\]: expected the 3 params the group was made "
+        match += r"with, got a list of 4 \(the same list, changed\).*opt\.add_param_group"
+    elif change == "replace":
+        groups[0]["params"] = [*groups[0]["params"], extra]
+        match = r"got a list of 4 \(another list\)"
+    elif change == "new group":
+        groups.append({**groups[0], "params": [extra]})
+        match = r"param_groups: expected the 1 groups this optimizer holds, got 2"
+    else:
+        groups.pop()
+        match = r"param_groups: expected the 1 groups this optimizer holds, got 0"
+    for p in params:
+        p.grad = torch.ones_like(p)
+    snap = snapshot(params)
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert_unchanged(params, snap)
+    opt2 = mpfunc.MasterOptimizer(params[:3], mpfunc.adamw, lr=1e-2)
+    opt2.add_param_group({"params": [extra]})
+    opt2.step()
+    assert not torch.equal(extra.detach(), snap[3][0].to(extra.device))
+
+
 # --- opt.state is the live state, as in torch.optim -----------------------------------------
 
 

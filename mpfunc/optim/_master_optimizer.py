@@ -283,6 +283,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._varying: set[str] = set()  # groups whose non-lr values change (XLA: foreach)
         self._opt: Optimizer | None = None  # the partition, rebuilt when a group changes
         self._warned_no_grad = False  # NoGradWarning: once per optimizer
+        # Each group's "params" list and its length when added (_check_group_params).
+        self._group_params: list[tuple[list[Any], int]] = []
         super().__init__(params, full)
         if step_in_backward:
             self._in_backward = _step_in_backward.optimizer_hooks(self)
@@ -378,6 +380,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise type(e)(f"MasterOptimizer: param_groups[{i}]: {e}") from e
         n_old, n = len(self._params), len(params)
+        self._group_params.append((group["params"], len(group["params"])))
         names = group.get("param_names") or [f"param_groups[{i}].params[{k}]" for k in range(n)]
         self._params += params
         self._names += list(names)
@@ -505,6 +508,28 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._lr_dev[(label, device)] = (t, value)
         return t
 
+    def _check_group_params(self) -> None:
+        """The groups and their ``"params"`` lists are those the optimizer made masters for:
+        a param appended to ``param_groups[i]["params"]`` (which torch.optim would train)
+        or a group appended or removed by hand was not trained, with no word. Costs one
+        identity and one length test per group."""
+        held = self._group_params
+        if len(self.param_groups) != len(held):
+            raise ValueError(
+                f"MasterOptimizer.step: param_groups: expected the {len(held)} groups this "
+                f"optimizer holds, got {len(self.param_groups)}. Add a group with "
+                f"opt.add_param_group(...); a group cannot be removed (make a new optimizer)"
+            )
+        for i, (group, (ps, n)) in enumerate(zip(self.param_groups, held)):
+            if group["params"] is not ps or len(ps) != n:
+                raise ValueError(
+                    f"MasterOptimizer.step: param_groups[{i}]['params']: expected the {n} "
+                    f"params the group was made with, got a list of {len(group['params'])} "
+                    f"{'(the same list, changed)' if group['params'] is ps else '(another list)'}"
+                    f": masters and state are made when a group is added. Add params with "
+                    f"opt.add_param_group({{'params': [...]}}) or make a new optimizer"
+                )
+
     def _build(self, label: str, group: Mapping[str, Any]) -> bool:
         """Builds the group's mpfunc optimizer from its current values, if they changed.
         Returns whether it was rebuilt."""
@@ -584,6 +609,7 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     def _optimizer(self) -> Optimizer:
         """The partition of every group's optimizer, rebuilt when a group's values changed."""
+        self._check_group_params()
         changed = False
         for i, group in enumerate(self.param_groups):
             try:
