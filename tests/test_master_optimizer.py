@@ -616,6 +616,54 @@ def test_params_added_by_hand_are_refused_not_left_untrained(change: str) -> Non
     assert not torch.equal(extra.detach(), snap[3][0].to(extra.device))
 
 
+def test_a_model_with_fp32_norms_takes_a_strategy_per_param() -> None:
+    """A model that keeps its norms in fp32 beside bf16 weights was refused by every
+    strategy but "fp32", with a hint (a function of path and param) that MasterOptimizer
+    did not take. ``strategy=`` now takes ``(name, param) -> name``: "remainder" for the
+    bf16 weights and "none" for the fp32 norms (their own exact masters) train bit for bit
+    as torch's fused AdamW on fp32 copies, an emptied entry starts afresh with its own
+    strategy, and a single name names the param and the way out."""
+    gen = torch.Generator().manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4))
+    model[0].to(torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    opt = mpfunc.MasterOptimizer(
+        model.named_parameters(), mpfunc.adamw,
+        strategy=lambda name, p: "remainder" if p.dtype == torch.bfloat16 else "none", **kw,
+    )  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref, fused=True, **kw)
+    params = list(model.parameters())
+    assert [sorted(opt.state[p]) for p in params][1::2] == [
+        ["exp_avg", "exp_avg_sq", "remainder", "step", "ties"], ["exp_avg", "exp_avg_sq", "step"]
+    ]  # fmt: skip
+    for k in range(5):
+        for p, r in zip(params, ref):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad, r.grad = g.clone(), g.float()
+        opt.step()
+        ref_opt.step()
+        if k == 2:
+            opt.state[params[0]] = {}  # starts afresh, as a "remainder" master again
+            ref_opt.state[ref[0]] = {}
+            with torch.no_grad():
+                ref[0].copy_(params[0].float())
+    for p, r in zip(params, ref):  # the bf16 params: the exact master rounded
+        assert_bits_equal(p.detach(), r.detach().to(p.dtype))
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert_bits_equal(opt.state[p][name], ref_opt.state[r][name])
+    with pytest.raises(ValueError, match=(
+        r"MasterOptimizer: param_groups\[0\]: init_master: at '1\.weight': expected a param "
+        r"the 'remainder' strategy applies to, got torch\.float32 .*strategy=lambda path, p: "
+        r"'remainder' if p\.dtype == torch\.bfloat16 else 'none'"
+    )):  # fmt: skip
+        mpfunc.MasterOptimizer(model.named_parameters(), mpfunc.adamw, strategy="remainder")
+    with pytest.raises(ValueError, match=r"strategy\('0\.bias'\): expected a strategy name"):
+        mpfunc.MasterOptimizer(
+            model.named_parameters(), strategy=lambda n, p: "fp8" if n == "0.bias" else "fp32"
+        )
+
+
 # --- opt.state is the live state, as in torch.optim -----------------------------------------
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -118,6 +119,11 @@ _NO_GRAD = (
 )
 
 
+def _name_of(names: list[str], k: int) -> str:
+    """Param ``k`` of a group by its name (``param_names``) or its place in the group."""
+    return names[k] if 0 <= k < len(names) else f"params.{k}"
+
+
 def _version(m: Any) -> int:
     """An "fp32" master's version counter; -1 for none or another strategy's unit."""
     return m._version if isinstance(m, torch.Tensor) else -1
@@ -199,9 +205,13 @@ class MasterOptimizer(torch.optim.Optimizer):
         ``mpfunc.sgd``, ``mpfunc.lion``, or a ``functools.partial`` of one. Its keyword
         arguments are the groups' keys (``lr``, ``betas``, ``weight_decay``, ...).
       strategy: how masters are kept, as in ``init_master``: ``"fp32"`` (an fp32 copy
-        of each param), ``"remainder"``, ``"kahan"``, ``"stochastic"`` or ``"none"``.
-        ``state_dict()`` holds each master's tensors: ``"master"`` for ``"fp32"``, else
-        the strategy's buffer (``"remainder"``, ...); the param itself is the model's.
+        of each param), ``"remainder"``, ``"kahan"``, ``"stochastic"`` or ``"none"``, or a
+        function ``(name, param) -> name`` for a model that mixes dtypes (``lambda name,
+        p: "remainder" if p.dtype == torch.bfloat16 else "none"``: an fp32 norm is its own
+        exact master). ``name`` is the param's name where the groups give names
+        (``named_parameters()``), else ``"param_groups[i].params[k]"``. ``state_dict()``
+        holds each master's tensors: ``"master"`` for ``"fp32"``, else the strategy's
+        buffer (``"remainder"``, ...); the param itself is the model's.
       **defaults: hyperparameters for every group, passed to ``opt``; the factory's own
         defaults fill the rest.
 
@@ -253,7 +263,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         opt: Callable[..., Optimizer] = adamw,
         *,
-        strategy: str = "fp32",
+        strategy: str | Callable[[str, torch.Tensor], str] = "fp32",
         step_in_backward: bool = False,
         **defaults: Any,
     ) -> None:
@@ -264,7 +274,14 @@ class MasterOptimizer(torch.optim.Optimizer):
         # The hooks of step_in_backward=True (_step_in_backward); None for the ordinary step.
         self._in_backward: _step_in_backward.Hooks | None = None
         self._factory, keys, full = self._check_factory(fn, opt, defaults)
-        self._strategy = _checks.choice(fn, "strategy", strategy, tuple(STRATEGIES))
+        # A name for every param, or fn(name, param) -> name (a model that keeps its norms
+        # in fp32 beside bf16 weights); each param's name is kept in self._kinds.
+        self._strategy: str | Callable[[str, torch.Tensor], Any] = (
+            strategy
+            if callable(strategy)
+            else _checks.choice(fn, "strategy", strategy, tuple(STRATEGIES))
+        )
+        self._kinds: list[Any] = []
         self._keys = keys
         # One slot per param, in torch's order (state_dict indices).
         self._params: list[torch.Tensor] = []
@@ -361,14 +378,21 @@ class MasterOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         i = len(self.param_groups) - 1
         label = str(i)
+        names = group.get("param_names") or [
+            f"param_groups[{i}].params[{k}]" for k in range(len(group["params"]))
+        ]
         try:
             self._build(label, group)
             params = list(group["params"])
+            kinds = [
+                self._strategy(name, p) if callable(self._strategy) else self._strategy
+                for name, p in zip(names, params)
+            ]
             # Masters made over the whole flat list, so that each leaf's index (the
             # stochastic strategy's RNG stream) is its state_dict index.
             masters = init_master(
-                [None] * len(self._params) + params, strategy=self._strategy,
-                trainable_only=True,
+                [None] * len(self._params) + params,
+                strategy=[None] * len(self._params) + kinds, trainable_only=True,
             )[len(self._params):]  # fmt: skip
             everything = [*self._params, *params]
             check_params(
@@ -378,10 +402,21 @@ class MasterOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
         except (TypeError, ValueError) as e:
             self.param_groups.pop()
-            raise type(e)(f"MasterOptimizer: param_groups[{i}]: {e}") from e
+            # init_master names a param by its index in the optimizer's flat list: say which.
+            n_old = len(self._params)
+            text = re.sub(
+                r"at 'params\.(\d+)'",
+                lambda m: f"at {_name_of(names, int(m.group(1)) - n_old)!r}",
+                re.sub(
+                    r"strategy\.(\d+):",
+                    lambda m: f"strategy({_name_of(names, int(m.group(1)) - n_old)!r}):",
+                    str(e),
+                ),
+            )
+            raise type(e)(f"MasterOptimizer: param_groups[{i}]: {text}") from e
         n_old, n = len(self._params), len(params)
         self._group_params.append((group["params"], len(group["params"])))
-        names = group.get("param_names") or [f"param_groups[{i}].params[{k}]" for k in range(n)]
+        self._kinds += kinds
         self._params += params
         self._names += list(names)
         self._group_of += [i] * n
@@ -627,7 +662,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         """A master for param ``j`` (from the param) and its group's fresh state, made
         aside: nothing of the optimizer's is written."""
         p, label = self._params[j], str(self._group_of[j])
-        m = init_master([None] * j + [p], strategy=self._strategy)[j]
+        m = init_master([None] * j + [p], strategy=[None] * j + [self._kinds[j]])[j]
         fresh = self._built[label][1].init(
             [m if k == j else None for k in range(len(self._params))]
         )

@@ -128,6 +128,13 @@ def check_applies(fn: str, params: _checks.Side, kinds: Sequence[Strategy | None
             continue
         why = s.why_not(p)
         if why is not None:
+            if p.dtype in (torch.float32, torch.float64):  # a mixed model: fp32 norms
+                why += (
+                    f". In a model that keeps some params in {p.dtype} beside bf16 ones, "
+                    f"choose per leaf: strategy=lambda path, p: {s.name!r} if p.dtype == "
+                    f"torch.bfloat16 else 'none' (a {p.dtype} param is its own exact "
+                    f"master: 'none' steps it in place, as torch.optim does)"
+                )
             _checks.fail(
                 ValueError,
                 fn,
