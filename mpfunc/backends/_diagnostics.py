@@ -36,6 +36,10 @@ class UpdateStats(NamedTuple):
     ratio: torch.Tensor
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([UpdateStats])
+
+
 _tree.register_unit(UpdateStats)
 
 

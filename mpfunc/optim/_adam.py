@@ -49,6 +49,10 @@ class AdamState(NamedTuple):
     max_exp_avg_sq: Any = None
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([AdamState])
+
+
 class AdamHyper(NamedTuple):
     beta1: float
     beta2: float

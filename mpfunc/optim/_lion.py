@@ -38,6 +38,10 @@ class LionState(NamedTuple):
     exp_avg: Any
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([LionState])
+
+
 class LionHyper(NamedTuple):
     beta1: float
     beta2: float

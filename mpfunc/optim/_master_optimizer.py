@@ -347,7 +347,10 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     @classmethod
     def from_torch(
-        cls, torch_opt: torch.optim.Optimizer, *, strategy: str = "fp32"
+        cls,
+        torch_opt: torch.optim.Optimizer,
+        *,
+        strategy: str | Callable[[str, torch.Tensor], str] = "fp32",
     ) -> MasterOptimizer:
         """A ``MasterOptimizer`` over the same param groups, with the same values, as a
         built ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (its state is not copied: its

@@ -46,6 +46,10 @@ class SGDState(NamedTuple):
     momentum_buffer: Any = None
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([SGDState])
+
+
 class SGDHyper(NamedTuple):
     momentum: float
     dampening: float

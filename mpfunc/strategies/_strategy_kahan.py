@@ -32,6 +32,10 @@ class KahanMaster(NamedTuple):
     compensation: torch.Tensor
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([KahanMaster])
+
+
 def _why_not(p: torch.Tensor) -> str | None:
     if p.dtype in _DTYPES:
         return None

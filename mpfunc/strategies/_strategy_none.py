@@ -22,6 +22,10 @@ class RoundedMaster(NamedTuple):
     param: torch.Tensor
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([RoundedMaster])
+
+
 def _why_not(p: torch.Tensor) -> str | None:
     return None
 

@@ -37,6 +37,10 @@ class RemainderMaster(NamedTuple):
     ties: torch.Tensor
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([RemainderMaster])
+
+
 def _why_not(p: torch.Tensor) -> str | None:
     if p.dtype != torch.bfloat16:
         return _remainder.unsupported_hint(p.dtype)

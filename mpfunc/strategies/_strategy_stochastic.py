@@ -38,6 +38,10 @@ class StochasticMaster(NamedTuple):
     key: torch.Tensor
 
 
+# A NamedTuple of tensors: safe for torch.load(weights_only=True), torch's default since 2.6.
+torch.serialization.add_safe_globals([StochasticMaster])
+
+
 def _why_not(p: torch.Tensor) -> str | None:
     if p.dtype == torch.bfloat16:
         return None
