@@ -220,7 +220,8 @@ class MasterOptimizer(torch.optim.Optimizer):
     recompile, no host read. Changing another value (OneCycleLR cycles ``betas[0]``)
     rebuilds that group's mpfunc optimizer, a few microseconds; on XLA the new value is
     a new scalar input of the same graph. A change that needs other state (``amsgrad``
-    turned on, SGD momentum from 0) raises before anything is written.
+    turned on, SGD momentum from 0) makes it as ``init`` does (zeros), one that no longer
+    uses a field drops it, and a new ``state_dtype`` raises before anything is written.
 
     A param written outside the optimizer (``model.load_state_dict``, a broadcast)
     is noticed from its version counter: at the next step its master takes the new

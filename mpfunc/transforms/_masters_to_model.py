@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mpfunc.backends import _plan
-from mpfunc.core import _cache, _checks, _gc, _tensors, _tree
+from mpfunc.core import _cache, _checks, _compile, _gc, _tensors, _tree
 from mpfunc.core._checks import Like, Side
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _overwritten, _strategy
@@ -149,10 +149,13 @@ def masters_to_model_(masters: Any, params: Any) -> Any:
         entry = _cache.memo_passed(key, [k for _, _, k in flat])
         if entry is not None:
             entry.info = plain
-    if not plain:  # a unit whose param shows another master: its value is gone
+    # A unit whose param shows another master: its value is gone. (Not under torch.compile,
+    # whose dynamo does not trace into torch's weak dictionaries; an eager call checks.)
+    watch = not plain and not _compile.compiling()
+    if watch:
         _overwritten.check_not_stale(fn, given, p)
     pairs = [(q, t) for t, q in zip(m.leaves, p.leaves) if t is not None]
     _plan.copy_grouped_([q for q, _ in pairs], [t for _, t in pairs])
-    if not plain:
+    if watch:
         _overwritten.overwrote(given.leaves, p.leaves)
     return params
