@@ -482,9 +482,10 @@ def masters_from_remainders(
     missing = sorted(set(names) - set(params))
     if missing:
         raise KeyError(f"{fn}: remainders {missing[:5]} have no param of the same name")
-    orphans = sorted(k for k in remainders if k.endswith(suffixes) and
-                     k[: -len(TIES_SUFFIX if k.endswith(TIES_SUFFIX) else CRC_SUFFIX)]
-                     not in remainders)  # fmt: skip
+    orphans = sorted(
+        k for k in remainders
+        for suffix in suffixes if k.endswith(suffix) and k[: -len(suffix)] not in remainders
+    )  # fmt: skip
     if orphans:
         raise KeyError(f"{fn}: tie bits or CRCs {orphans[:5]} have no remainder of the same name")
     stale = []

@@ -406,17 +406,13 @@ class MasterOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
         except (TypeError, ValueError) as e:
             self.param_groups.pop()
+
             # init_master names a param by its index in the optimizer's flat list: say which.
-            n_old = len(self._params)
-            text = re.sub(
-                r"at 'params\.(\d+)'",
-                lambda m: f"at {_name_of(names, int(m.group(1)) - n_old)!r}",
-                re.sub(
-                    r"strategy\.(\d+):",
-                    lambda m: f"strategy({_name_of(names, int(m.group(1)) - n_old)!r}):",
-                    str(e),
-                ),
-            )
+            def named(m: re.Match[str]) -> str:
+                return repr(_name_of(names, int(m.group(1)) - len(self._params)))
+
+            text = re.sub(r"'params\.(\d+)'", named, str(e))
+            text = re.sub(r"strategy\.(\d+):", lambda m: f"strategy({named(m)}):", text)
             raise type(e)(f"MasterOptimizer: param_groups[{i}]: {text}") from e
         n_old, n = len(self._params), len(params)
         self._group_params.append((group["params"], len(group["params"])))
@@ -619,13 +615,13 @@ class MasterOptimizer(torch.optim.Optimizer):
                     f"back, or make the optimizer with the new state_dtype from the start"
                 )
         layout = built.init([None] * len(self._params))
+        dampening = dict(zip(self._keys, key)).get("dampening", 0)
         changes: dict[str, Any] = {}
         fresh = None
         for name in state._fields:
             want = getattr(layout, name, None) is not None
             have = getattr(state, name) is not None
             if want and not have:
-                dampening = dict(zip(self._keys, key)).get("dampening", 0)
                 if name == "momentum_buffer" and dampening:
                     raise ValueError(
                         f"momentum: expected it switched on with dampening=0, got dampening="
