@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -628,8 +629,10 @@ def test_a_model_with_fp32_norms_takes_a_strategy_per_param() -> None:
     model[0].to(torch.bfloat16)
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
     kw = {"lr": 1e-2, "weight_decay": 0.1}
+    # torch.optim takes named parameters from torch 2.6; before, names are list positions.
+    named = model.named_parameters if NAMED else model.parameters
     opt = mpfunc.MasterOptimizer(
-        model.named_parameters(), mpfunc.adamw,
+        named(), mpfunc.adamw,
         strategy=lambda name, p: "remainder" if p.dtype == torch.bfloat16 else "none", **kw,
     )  # fmt: skip
     ref_opt = torch.optim.AdamW(ref, fused=True, **kw)
@@ -652,16 +655,16 @@ def test_a_model_with_fp32_norms_takes_a_strategy_per_param() -> None:
         assert_bits_equal(p.detach(), r.detach().to(p.dtype))
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert_bits_equal(opt.state[p][name], ref_opt.state[r][name])
+    norm_w = r"1\.weight" if NAMED else r"param_groups\[0\]\.params\[2\]"
+    bias = "0.bias" if NAMED else "param_groups[0].params[1]"
     with pytest.raises(ValueError, match=(
-        r"MasterOptimizer: param_groups\[0\]: init_master: at '1\.weight': expected a param "
+        rf"MasterOptimizer: param_groups\[0\]: init_master: at '{norm_w}': expected a param "
         r"the 'remainder' strategy applies to, got torch\.float32 .*strategy=lambda path, p: "
         r"'remainder' if p\.dtype == torch\.bfloat16 else 'none'"
     )):  # fmt: skip
-        mpfunc.MasterOptimizer(model.named_parameters(), mpfunc.adamw, strategy="remainder")
-    with pytest.raises(ValueError, match=r"strategy\('0\.bias'\): expected a strategy name"):
-        mpfunc.MasterOptimizer(
-            model.named_parameters(), strategy=lambda n, p: "fp8" if n == "0.bias" else "fp32"
-        )
+        mpfunc.MasterOptimizer(named(), mpfunc.adamw, strategy="remainder")
+    with pytest.raises(ValueError, match=rf"strategy\('{re.escape(bias)}'\): expected a strategy"):
+        mpfunc.MasterOptimizer(named(), strategy=lambda n, p: "fp8" if n == bias else "fp32")
 
 
 # --- opt.state is the live state, as in torch.optim -----------------------------------------
@@ -1051,6 +1054,51 @@ def test_master_optimizer_from_torch() -> None:
         assert_bits_equal(m, r.detach())
     with pytest.raises(TypeError, match="no native optimizer"):
         mpfunc.MasterOptimizer.from_torch(torch.optim.RMSprop(params, lr=0.1))
+
+
+DECOUPLED = "decoupled_weight_decay" in torch.optim.Adam([torch.zeros(1)]).defaults
+
+
+@pytest.mark.skipif(not DECOUPLED, reason="Adam takes decoupled_weight_decay from torch 2.7")
+def test_adam_groups_with_their_own_decoupled_weight_decay() -> None:
+    """torch >= 2.7's Adam takes ``decoupled_weight_decay`` per group (AdamW's math there).
+    ``from_torch_optim`` read it from the defaults only, so such a group ran L2 decay:
+    another update, silently. Each group now gets its own math; ``MasterOptimizer.from_torch``
+    (one optimizer) takes groups that all agree, and refuses a mix, naming the group."""
+    params = make_params()
+    ref = fp32_copies(params)
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    torch_opt = torch.optim.Adam(
+        [{"params": ref[:2]}, {"params": ref[2:], "decoupled_weight_decay": True}], **kw
+    )
+    fp32 = [p.detach().float().clone() for p in params]
+    tree = {str(i): t for i, t in enumerate(fp32)}
+    _, opt = mpfunc.from_torch_optim(torch_opt, {str(i): r for i, r in enumerate(ref)})
+    ref_opt = torch.optim.Adam(
+        [{"params": ref[:2]}, {"params": ref[2:], "decoupled_weight_decay": True}], **kw
+    )
+    state = opt.init(tree)
+    for k in range(3):
+        set_grads(k, params, ref)
+        ref_opt.step()
+        grads = {str(i): r.grad.clone() for i, r in enumerate(ref)}
+        mpfunc.apply_update_(tree, grads, state, opt)
+    for i, r in enumerate(ref):
+        assert_close_bound(tree[str(i)], r.detach(), lr=1e-2, steps=3)
+    # One MasterOptimizer: groups that agree take their math, a mix is refused.
+    both = torch.optim.Adam(
+        [{"params": params[:2], "decoupled_weight_decay": True},
+         {"params": params[2:], "decoupled_weight_decay": True}], **kw
+    )  # fmt: skip
+    assert mpfunc.MasterOptimizer.from_torch(both)._factory is mpfunc.adamw
+    with pytest.raises(ValueError, match=(
+        r"from_torch: torch_opt\.param_groups\[1\]: expected the math of param_groups\[0\] "
+        r"\(mpfunc\.adam\), got decoupled_weight_decay=True \(mpfunc\.adamw\)"
+    )):  # fmt: skip
+        mpfunc.MasterOptimizer.from_torch(torch.optim.Adam(
+            [{"params": params[:2]},
+             {"params": params[2:], "decoupled_weight_decay": True}], **kw
+        ))  # fmt: skip
 
 
 def test_frozen_optimizer_keeps_leaves_and_no_state() -> None:
