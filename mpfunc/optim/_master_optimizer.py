@@ -365,6 +365,21 @@ class MasterOptimizer(torch.optim.Optimizer):
                 "functional mpfunc.torch_optimizer runs any class, without schedulers)"
             )
         factory, keys = native
+        for i, group in enumerate(torch_opt.param_groups):
+            # torch >= 2.7's Adam takes decoupled_weight_decay per group: one optimizer
+            # runs them all, so every group must do the same math.
+            own = native_factory(fn, torch_opt, group)
+            assert own is not None
+            if i == 0:
+                factory = own[0]
+            elif own[0] is not factory:
+                raise ValueError(
+                    f"{fn}: torch_opt.param_groups[{i}]: expected the math of param_groups[0] "
+                    f"(mpfunc.{factory.__name__}), got decoupled_weight_decay="
+                    f"{group.get('decoupled_weight_decay')} (mpfunc.{own[0].__name__}): a "
+                    "MasterOptimizer runs one optimizer. Use one decoupled_weight_decay, or "
+                    "mpfunc.from_torch_optim (a partition, one optimizer per group)"
+                )
         groups = []
         for group in torch_opt.param_groups:
             g = {k: group[k] for k in keys}

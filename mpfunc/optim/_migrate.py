@@ -58,10 +58,11 @@ def frozen() -> Optimizer:
 
 
 def native_factory(
-    fn: str, torch_opt: torch.optim.Optimizer
+    fn: str, torch_opt: torch.optim.Optimizer, group: Mapping[str, Any] | None = None
 ) -> tuple[Callable[..., Optimizer], tuple[str, ...]] | None:
-    """The mpfunc factory that does ``torch_opt``'s math, and the group keys to pass it;
-    ``None`` for a class mpfunc has no native optimizer for."""
+    """The mpfunc factory that does ``torch_opt``'s math for ``group`` (one of its
+    ``param_groups``; its defaults when ``None``), and the group keys to pass it; ``None``
+    for a class mpfunc has no native optimizer for."""
     if not isinstance(torch_opt, torch.optim.Optimizer):
         raise TypeError(
             f"{fn}: torch_opt: expected a torch.optim.Optimizer instance, got "
@@ -71,8 +72,10 @@ def native_factory(
     if cls is torch.optim.AdamW:
         return adamw, _ADAM_KEYS
     if cls is torch.optim.Adam:
-        # torch >= 2.7: Adam(decoupled_weight_decay=True) is AdamW.
-        decoupled = torch_opt.defaults.get("decoupled_weight_decay", False)
+        # torch >= 2.7: Adam(decoupled_weight_decay=True) is AdamW, a value each group
+        # may set for itself.
+        values = torch_opt.defaults if group is None else group
+        decoupled = values.get("decoupled_weight_decay", False)
         return (adamw if decoupled else adam), _ADAM_KEYS
     if cls is torch.optim.SGD:
         return sgd, _SGD_KEYS
@@ -81,9 +84,10 @@ def native_factory(
 
 def group_optimizers(fn: str, torch_opt: torch.optim.Optimizer) -> list[Optimizer]:
     """One mpfunc optimizer per param group of ``torch_opt``, with that group's values."""
-    native = native_factory(fn, torch_opt)
+    native = native_factory(fn, torch_opt)  # checks torch_opt's type
     out = []
     for i, group in enumerate(torch_opt.param_groups):
+        native = native and native_factory(fn, torch_opt, group)
         try:
             if native is not None:
                 factory, keys = native
