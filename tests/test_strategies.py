@@ -421,7 +421,9 @@ def test_stats_report_swallowed_updates_and_ratio() -> None:
     mpfunc.apply_update_(m, {"w": g}, s, opt, params=p, stats=stats)
     st_w = stats["w"]
     assert float(st_w.unchanged) == pytest.approx(0.9)
-    assert float(st_w.swallowed) == pytest.approx(0.4)
+    # Of the 50 elements with an update, the 40 small ones did not move the param (the
+    # fraction of updates, not of elements: 40 of 100 read 0.4 before).
+    assert float(st_w.swallowed) == pytest.approx(0.8)
     u = torch.zeros(100)
     u[:40], u[40:50] = -1e-4, -0.1
     assert float(st_w.ratio) == pytest.approx(float(u.pow(2).mean().sqrt()), rel=1e-3)
@@ -429,6 +431,14 @@ def test_stats_report_swallowed_updates_and_ratio() -> None:
     st32 = mpfunc.init_stats(m32)
     mpfunc.apply_update_(m32, {"w": torch.ones(4)}, opt.init(m32), opt, stats=st32)
     assert bool(st32["w"].swallowed.isnan()) and float(st32["w"].ratio) > 0  # no params given
+    # A sparse grad: every update swallowed reads 1, however few the updated elements.
+    g = torch.zeros(100, dtype=BF16)
+    g[:3] = 1.0
+    mpfunc.apply_update_(m, {"w": g}, s, opt, params=p, stats=stats)
+    assert float(stats["w"].swallowed) == 1.0 and float(stats["w"].unchanged) == 1.0
+    # No update at all (a zero grad): nothing swallowed.
+    mpfunc.apply_update_(m, {"w": torch.zeros(100, dtype=BF16)}, s, opt, params=p, stats=stats)
+    assert float(stats["w"].swallowed) == 0.0
 
 
 # --- every strategy x state dtype: resume, pure form, errors ---------------------------------

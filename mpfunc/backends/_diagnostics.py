@@ -13,7 +13,7 @@ before any rounding) and ``p`` the model param:
 * ``ratio``: ``rms(u) / rms(old master)``, the update-to-weight RMS ratio.
 
 ``swallowed`` and ``unchanged`` need the param: they are NaN for ``"fp32"`` masters stepped
-without ``params=``. A step that was skipped reports zero updates.
+without ``params=``. A step that was skipped reports zero updates (``swallowed`` 0).
 """
 
 from __future__ import annotations
@@ -89,4 +89,8 @@ def record(
             continue
         same = now[i] == before[i]
         s.unchanged.copy_(_mean(same))
-        s.swallowed.copy_(_mean(same & (u != 0)))
+        # Of the elements that had an update, those whose param did not move (none
+        # updated, as in a skipped step: 0, nothing swallowed).
+        moved = (u != 0).sum()
+        lost = (same & (u != 0)).sum()
+        s.swallowed.copy_(torch.where(moved > 0, lost / moved.clamp(min=1), 0.0))
