@@ -321,8 +321,19 @@ def _transform_rows() -> Iterator[Any]:
             row(f"{fn}-grads-not-tensor", partial(c, {BAD: "g"}), TypeError,
                 at(fn, g, "a tensor or None leaf", "str 'g'")),
         ]  # fmt: skip
+    f64 = {BAD: new(dtype=torch.float64)}
+    yield row(
+        "grads_to_fp32-narrows-float64",
+        lambda: call(mpfunc.grads_to_fp32, _tree("grads", f64), dtype=torch.float32),
+        ValueError,
+        at("grads_to_fp32", g, "a grad no wider than its torch.float32 result",
+           desc(torch.float64) + ". Leave dtype=None"),
+    )  # fmt: skip
     fn, c = "grads_to_fp32_", partial(cast_call, mpfunc.grads_to_fp32_)
     yield from [
+        row(f"{fn}-narrows-float64", partial(c, f64), ValueError,
+            at(fn, g, "a grad no wider than its torch.float32 result",
+               desc(torch.float64) + ". Give it a float64 out")),
         row(f"{fn}-out-missing-leaf", partial(c, out={"layers.1.bias": DROP}), ValueError,
             same_structure(fn, "grads", "out", "layers.1.bias", True)),
         row(f"{fn}-out-extra-leaf", partial(c, out={"head.weight": new()}), ValueError,

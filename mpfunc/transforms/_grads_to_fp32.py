@@ -38,6 +38,19 @@ def _check_grad_leaves(fn: str, side: _checks.Side) -> None:
             _checks.fail(TypeError, fn, side.path(i), _FLOATING, _checks.describe(g), _HINT)
 
 
+def _check_not_narrowed(
+    fn: str, side: _checks.Side, dtypes: list[torch.dtype | None], hint: str
+) -> None:
+    """A float64 grad cast into float32 would lose its low bits without a word, as a
+    float32 master of a float64 param would (``init_master`` refuses that too)."""
+    for i, (g, d) in enumerate(zip(side.leaves, dtypes)):
+        if g is not None and d is not None and g.itemsize > d.itemsize:
+            _checks.fail(
+                ValueError, fn, side.path(i), f"a grad no wider than its {d} result",
+                _checks.describe(g), hint,
+            )  # fmt: skip
+
+
 def _unscale_(tensors: list[torch.Tensor], value: torch.Tensor | None) -> None:
     """Divides the full-precision grads by the loss scale (if any), one foreach call per
     device, in the grads' precision (after the upcast, so nothing is lost)."""
@@ -72,12 +85,18 @@ def grads_to_fp32(grads: Any, dtype: torch.dtype | None = None, *, scale: ScaleA
 
     Raises:
       TypeError: a leaf is not a dense tensor or ``None``, or a grad is not floating point.
-      ValueError: ``dtype`` is not float32 or float64, or ``scale`` is not positive.
+      ValueError: ``dtype`` is not float32 or float64, or is narrower than a grad
+        (float32 for a float64 grad), or ``scale`` is not positive.
     """
     fn = "grads_to_fp32"
     dtype = _checks.master_dtype(fn, dtype)
     divisor = _loss_scale.scale_value(fn, scale)
     side, spec = _check_grads(fn, grads)
+    if dtype is not None:
+        _check_not_narrowed(
+            fn, side, [dtype] * len(side.leaves),
+            "Leave dtype=None: a float64 grad then stays float64, as its master",
+        )  # fmt: skip
     with torch.no_grad():
         out = [
             None if g is None else _tensors.fresh_copy(g, master_dtype_for(g, dtype))
@@ -112,7 +131,8 @@ def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
       TypeError: a leaf is not a dense tensor or ``None``, a grad is not floating point,
         or an ``out`` tensor is not float32/float64.
       ValueError: the trees differ in structure, a shape or device differs, an ``out``
-        tensor is expanded, or two leaves share memory.
+        tensor is narrower than its grad (float32 for a float64 grad) or is expanded, or two
+        leaves share memory.
       Nothing is written unless every check passes.
     """
     fn = "grads_to_fp32_"
@@ -123,6 +143,10 @@ def grads_to_fp32_(grads: Any, out: Any, *, scale: ScaleArg = None) -> Any:
         _checks.check_dense(fn, o)
         _checks.check_same_structure(fn, "grads", grads, g_spec, "out", out, o_spec)
         _checks.check_pairs(fn, g, o, _OUT)
+        _check_not_narrowed(
+            fn, g, [None if t is None else t.dtype for t in o.leaves],
+            "Give it a float64 out tensor (init_grads(params) makes one for a float64 param)",
+        )  # fmt: skip
         # Only the out tensors that receive a grad are written (positions kept, for paths).
         written = o.where_present(g.leaves)
         _checks.check_writable(fn, [written])
