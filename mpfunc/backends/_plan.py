@@ -294,26 +294,50 @@ _TIE_DIMS = 8  # the native pass's kTieDims
 # --- elementwise optimizers ---------------------------------------------------------------
 
 
-def _lr_on(lr: LRArg, device: torch.device, count: torch.Tensor, cache: dict[Any, Any]) -> LR:
+def _schedule_count(steps: Sequence[Any] | None, device: torch.device) -> torch.Tensor:
+    """The step count a schedule reads on ``device``: the largest among the leaves stepping
+    there (``steps``: theirs), so a leaf whose grad was often ``None`` (fewer steps) or that
+    was added later (0) follows the others' schedule instead of setting it; steps taken
+    before this one. Each leaf's own count when it steps alone (the step inside backward).
+    On the device, no host read; 0 for an optimizer without step counts."""
+    if steps is None:
+        return torch.zeros((), device=device)
+    local = [t for t in _dtensor.locals_(steps) if t.device == device]
+    if len(local) == 1:
+        return typing.cast(torch.Tensor, local[0].detach().clone())
+    return torch.stack([t.detach() for t in local]).amax()
+
+
+def _lr_on(
+    lr: LRArg, device: torch.device, steps: Sequence[Any] | None, cache: dict[Any, Any]
+) -> LR:
     """``lr`` for one group: a float as is; a tensor moved (once per step) to the device;
-    a schedule called with the step count of the group's first leaf (steps taken)."""
+    a schedule called (once per step and device) with ``_schedule_count``."""
     if isinstance(lr, torch.Tensor):
         if device not in cache:
             cache[device] = lr.to(device=device, dtype=torch.float32, non_blocking=True)
         return typing.cast(torch.Tensor, cache[device])
     if callable(lr):
-        # A copy, so that a schedule returning the count itself is not moved by the
-        # step's increment. On XLA, torch_xla's transfer count around the call tells
-        # whether the schedule read the count back to the host.
-        lazy = is_lazy(device)
-        reads = _xla_watch.host_reads() if lazy else 0
-        value = lr(count.detach().clone())
-        if lazy:
-            _xla_watch.check_schedule(lr, value, device, _xla_watch.host_reads() != reads)
-        if isinstance(value, torch.Tensor):
-            return value.to(device=device, dtype=torch.float32)
-        return float(value)
+        key = ("schedule", device)
+        if key not in cache:
+            cache[key] = _call_schedule(lr, device, _schedule_count(steps, device))
+        return typing.cast(LR, cache[key])
     return lr
+
+
+def _call_schedule(lr: Any, device: torch.device, count: torch.Tensor) -> LR:
+    """``lr(count)`` on ``device``, as a float or a float32 tensor there. ``count`` is a
+    copy, so a schedule returning the count itself is not moved by the step's increment.
+    On XLA, torch_xla's transfer count around the call tells whether the schedule read
+    the count back to the host."""
+    lazy = is_lazy(device)
+    reads = _xla_watch.host_reads() if lazy else 0
+    value = lr(count)
+    if lazy:
+        _xla_watch.check_schedule(lr, value, device, _xla_watch.host_reads() != reads)
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return float(value)
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
@@ -606,6 +630,8 @@ def _plan_elementwise(
         if memo_key is not None and step.sweep is not None:
             step.sweep.keep(partial(step.memo.put, memo_key, groups, parts))
     steps = fields.get("step")
+    # The step counts of the leaves that step (those in a group): what a schedule reads.
+    stepping = None if steps is None else [steps[i] for _, idx in groups for i in idx]
     cache: dict[Any, Any] = {}
     work: list[Work] = []
     state_type: Any = rule.state_type
@@ -613,12 +639,7 @@ def _plan_elementwise(
         device, dtype, kernel_name = key[0], key[1], key[2]
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
         assert isinstance(dtype, torch.dtype)
-        if steps is not None:
-            count = steps[idx[0]]
-            assert count is not None
-            lr_d = _lr_on(lr, device, count, cache)
-        else:
-            lr_d = _lr_on(lr, device, torch.zeros(()), cache)
+        lr_d = _lr_on(lr, device, stepping, cache)
         skip_d = _skip_on(step.skip, device, cache)
         if kernel_name in ("native", "xla"):  # the whole step, all leaves in one call
             sliced = {name: pick(f, idx) for name, f in fields.items()}

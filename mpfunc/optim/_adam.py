@@ -418,8 +418,9 @@ def adam(
 
     Args:
       lr: a float; a 0-d tensor read at every step (change it in place); or a
-        schedule, a function of the 0-d float32 step count (steps already taken)
-        returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
+        schedule, a function of the 0-d float32 step count (steps already taken: the
+        largest among the leaves stepping on the device) returning a float or 0-d tensor.
+        Tensors and schedules never recompile on XLA.
       betas, eps, weight_decay, amsgrad, maximize: as in ``torch.optim.Adam``.
       impl: ``"auto"`` (fused kernels on CPU/CUDA where layouts allow, one XLA
         computation per group on XLA for fp32 masters, foreach elsewhere), ``"fused"``

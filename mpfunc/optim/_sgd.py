@@ -223,8 +223,9 @@ def sgd(
 
     Args:
       lr: a float; a 0-d tensor read at every step (change it in place); or a
-        schedule, a function of the 0-d float32 step count (steps already taken)
-        returning a float or 0-d tensor. Tensors and schedules never recompile on XLA.
+        schedule, a function of the 0-d float32 step count (steps already taken: the
+        largest among the leaves stepping on the device) returning a float or 0-d tensor.
+        Tensors and schedules never recompile on XLA.
       momentum, dampening, weight_decay, nesterov, maximize: as in ``torch.optim.SGD``.
       impl: ``"auto"`` (one XLA computation per group on XLA for fp32 masters, mpfunc's
         native pass on the CPU where it applies, else foreach), ``"foreach"``
