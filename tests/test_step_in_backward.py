@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import warnings
 from typing import Any
 
 import pytest
@@ -810,3 +811,97 @@ def test_data_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
     params = _both_refuse(make_net(), r"a process group of 2 ranks")
     assert _hooked(params) == 0
+
+
+# --- reentrant activation checkpointing ------------------------------------------------------
+
+
+class Segments(torch.nn.Module):
+    """``lin`` used in two checkpointed segments (a shared block), ``head`` outside them."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.lin = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 16)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = x
+        for _ in range(2):
+            h = checkpoint(lambda t: torch.tanh(self.lin(t)), h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _segments_run(reentrant: bool, sib: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    net = Segments(reentrant).to(torch.bfloat16)
+    params = list(net.parameters())
+    opt: Any = None
+    handle: Any = None
+    if sib == "functional":
+        masters = mpfunc.init_master(params, strategy="kahan")
+        fopt = mpfunc.adamw(lr=1e-2, state_dtype=torch.bfloat16)
+        state = fopt.init(masters)
+        handle = mpfunc.step_in_backward(params, masters, state, fopt)
+    else:
+        opt = mpfunc.MasterOptimizer(
+            params, mpfunc.adamw, strategy="kahan", step_in_backward=sib == "optimizer",
+            lr=1e-2, state_dtype=torch.bfloat16,
+        )  # fmt: skip
+    for k in range(3):
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(4, 32, generator=gen).to(torch.bfloat16).requires_grad_(reentrant)
+        net(x).float().pow(2).mean().backward()
+        if handle is not None:
+            handle.end_step()
+        else:
+            opt.step()
+            opt.zero_grad()
+    out = [p.detach().clone() for p in params]
+    if handle is not None:
+        handle.remove()
+        return out, [t for t in _leaves((masters, state)) if isinstance(t, torch.Tensor)]
+    return out, state_tensors(opt)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("sib", ["optimizer", "functional"])
+def test_reentrant_checkpointing_steps_complete_grads(sib: str) -> None:
+    """Reentrant checkpointing runs each segment's backward nested in the outer one, so a
+    param shared by two segments got its hook twice: it stepped on the first segment's
+    partial grad, then the second raised as if the grads were accumulated. Hooks that fire
+    in a nested backward now leave the grad to complete and step at the step's end: the
+    ordinary step's bits, with a warning that no grad memory is saved there. Without
+    reentrancy the leaves step inside backward as before, silently."""
+    ref_p, ref_s = _segments_run(True, "none")
+    with pytest.warns(RuntimeWarning, match=r"nested backward \(reentrant activation chec"):
+        got_p, got_s = _segments_run(True, sib)
+    assert_all_bits(ref_p, got_p)
+    if sib == "optimizer":
+        assert_all_bits(ref_s, got_s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain_p, _ = _segments_run(False, sib)
+    assert_all_bits(ref_p, plain_p)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_reentrant_segment_after_an_outer_step_names_the_cause() -> None:
+    """A param used outside a reentrant segment (its hook fires first, complete as far as
+    the outer graph knows) and inside one (more grad later, nested): the nested grad raises
+    naming reentrant checkpointing, not gradient accumulation."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+    opt = mpfunc.MasterOptimizer([w], step_in_backward=True, lr=1e-2)
+    x = torch.randn(2, 8, dtype=torch.bfloat16, requires_grad=True)
+    h = checkpoint(lambda t: torch.tanh(t @ w), x, use_reentrant=True)
+    with pytest.raises(RuntimeError, match=(
+        r"param_groups\[0\]\.params\[0\] received more grad from a reentrant checkpointed "
+        r"segment .* after it had stepped"
+    )):  # fmt: skip
+        (h @ w).float().sum().backward()
+    opt.zero_grad()
+    opt.step()

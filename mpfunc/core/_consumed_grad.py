@@ -21,11 +21,13 @@ intercepted.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import torch
 
-__all__ = ["SECOND_BACKWARD", "WHOLE_TREE", "ConsumedGrad"]
+__all__ = ["NESTED_AFTER", "SECOND_BACKWARD", "WHOLE_TREE", "ConsumedGrad", "in_nested_backward"]
 
 WHOLE_TREE = (
     "each leaf steps inside backward as soon as its own grad is complete, before the other "
@@ -57,6 +59,31 @@ SECOND_BACKWARD = (
     "second backward (retain_graph=True) cannot work with the step inside backward, "
     "because " + WHOLE_TREE + "; accumulate without step_in_backward"
 )
+# The Python entries of a backward: a nested one (reentrant checkpointing's segments) is a
+# second such frame on the stack of a hook or of autograd's accumulation.
+_BACKWARD_CODES = frozenset({torch.autograd.backward.__code__, torch.autograd.grad.__code__})
+
+NESTED_AFTER = (
+    "{where}: {leaf} received more grad from a reentrant checkpointed segment "
+    "(torch.utils.checkpoint(..., use_reentrant=True)) after it had stepped on the grad of "
+    "its uses outside the segment: that step used a partial grad. Use use_reentrant=False "
+    "(or build the optimizer without step_in_backward); call {end} to end this step"
+)
+
+
+def in_nested_backward() -> bool:
+    """Whether the caller runs inside a backward nested in another backward."""
+    frame: types.FrameType | None = sys._getframe(1)
+    seen = 0
+    while frame is not None:
+        if frame.f_code in _BACKWARD_CODES:
+            seen += 1
+            if seen == 2:
+                return True
+        frame = frame.f_back
+    return False
+
+
 # Operations that read no values (see the module docstring).
 _ALLOWED_NO_OP = ("aten::zero_", "aten::_foreach_zero_")
 
@@ -142,10 +169,10 @@ class ConsumedGrad(torch.Tensor):
                 torch._foreach_zero_(rest)
             return None
         if torch._C._current_graph_task_id() != -1 and name.startswith("aten::add"):
-            # autograd adding a new grad to this one: a second backward in the same step
-            raise RuntimeError(
-                SECOND_BACKWARD.format(where=marker._where, leaf=marker._leaf, end=marker._end)
-            )
+            # autograd adding a new grad to this one: a second backward in the same step, or
+            # a reentrant checkpointed segment's nested backward after the leaf stepped
+            why = NESTED_AFTER if in_nested_backward() else SECOND_BACKWARD
+            raise RuntimeError(why.format(where=marker._where, leaf=marker._leaf, end=marker._end))
         raise RuntimeError(marker.message(name))
 
     def __repr__(self) -> str:  # type: ignore[override]

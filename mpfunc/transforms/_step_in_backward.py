@@ -23,10 +23,20 @@ need every grad before any leaf steps, and gradient accumulation needs grads tha
 the backward. A second backward before the step's end (``end_step()``, or the
 ``MasterOptimizer``'s ``step()``) would step a leaf twice: it raises in the hook, before
 that leaf is written again.
+
+Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
+runs each segment's backward as a backward of its own, nested in the outer one: a param's
+hook then fires once per segment that used it, each time with a partial grad, and no
+hook tells the last from the others. A hook that fires inside a nested backward therefore
+does not step: that leaf keeps its grad, which completes with the outer backward, and
+steps at the step's end (``end_step()``, ``step()``) with the same bits as the ordinary
+step, saving no grad memory (a warning says so, once). ``use_reentrant=False``, torch's
+recommended form, has no nested backward and keeps the savings.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +109,15 @@ def refuse_clip(fn: str, leaves: list[Any]) -> None:
         )
 
 
+_NESTED = (
+    "{where}: a grad arrived inside a nested backward (reentrant activation checkpointing, "
+    "torch.utils.checkpoint(..., use_reentrant=True)), where a param's grad completes only "
+    "when the outer backward ends: the leaves whose grads arrive there step at {end} instead, "
+    "bit for bit as inside backward, but with no grad memory saved. Use "
+    "use_reentrant=False to step them inside backward"
+)
+
+
 class Hooks:
     """Post-accumulate-grad hooks on a list of params, calling ``fire(j, param)``.
 
@@ -117,6 +136,11 @@ class Hooks:
             self._fire = weakref.WeakMethod(fire)
         self.handles: list[Any] = []
         self.stepped: set[int] = set()
+        # Leaves whose grads arrived in a nested backward: they step at the step's end.
+        self.deferred: set[int] = set()
+        self.warned = False
+        # Set by the owner: (where, j -> leaf name, how the step ends), for messages.
+        self.names: tuple[str, Callable[[int], str], str] = ("step_in_backward", str, "the end")
         self.begun = False  # the step's once-per-step work is done
         # The params whose .grad holds a ConsumedGrad until the step ends (weakly).
         self.consumed: list[weakref.ref[torch.Tensor]] = []
@@ -134,10 +158,28 @@ class Hooks:
         def hook(param: torch.Tensor) -> None:
             hooks = ref()
             fire = None if hooks is None else hooks._fire()
-            if fire is not None:
-                fire(j, param)
+            if fire is None:
+                return
+            assert hooks is not None
+            if j in hooks.deferred:
+                return  # its grad completes when the outer backward ends
+            if _consumed_grad.in_nested_backward():
+                hooks.defer(j)
+                return
+            fire(j, param)
 
         self.handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def defer(self, j: int) -> None:
+        """Leaf ``j``'s grad arrived in a nested backward: it steps at the step's end."""
+        where, leaf, end = self.names
+        if j in self.stepped:
+            why = _consumed_grad.NESTED_AFTER
+            raise RuntimeError(why.format(where=where, leaf=leaf(j), end=end))
+        self.deferred.add(j)
+        if not self.warned:
+            self.warned = True
+            warnings.warn(_NESTED.format(where=where, end=end), RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
         _remove(self.handles)
@@ -155,6 +197,7 @@ class Hooks:
 
     def end(self) -> None:
         self.stepped = set()
+        self.deferred = set()
         self.begun = False
         _release(self.consumed)
 
@@ -275,6 +318,7 @@ class StepInBackward:
         if self._alone:
             self._fields = [None if f is None else _tree.flatten(f, units=True)[0] for f in state]
         self._hooks = Hooks(self._fire, strong=True)
+        self._hooks.names = (_FN, paths.__getitem__, "handle.end_step()")
         for j, p in enumerate(params):
             if p is not None:
                 self._hooks.watch(j, p)
@@ -310,6 +354,11 @@ class StepInBackward:
           ValueError: a param that was frozen when the hooks were made holds a grad now: it
             has no hook, so nothing would step it and the next backward would add to it.
         """
+        for j in sorted(self._hooks.deferred):  # grads complete only after the backward
+            p = self._params[j]
+            self._hooks.deferred.discard(j)
+            if p is not None and p.grad is not None:
+                self._fire(j, p)
         self._hooks.end()
         for j, (x, q) in enumerate(zip(self._masters, self._all)):
             if x is not None and q is not None and self._params[j] is None and q.grad is not None:
@@ -424,6 +473,7 @@ def optimizer_hooks(opt: Any) -> Hooks:
     """Hooks on every param of ``opt`` that can take a grad, held weakly by them."""
     refuse_data_parallel(_OPT, opt._params)
     hooks = Hooks(opt._step_leaf, strong=False)
+    hooks.names = (_OPT, opt._names.__getitem__, "opt.step()")
     for j in range(len(opt._params)):
         watch_optimizer_param(opt, hooks, j)
     return hooks
@@ -492,8 +542,9 @@ def optimizer_step(opt: Any, skip: torch.Tensor | None) -> None:
             f"{WHOLE_TREE}{', and they have stepped' if stepped else ''}. Decide a skip "
             "before the backward, or build the optimizer without step_in_backward"
         )
+    hooks.deferred.clear()  # their grads are complete now: they step below
     late = [j for j, p in enumerate(opt._params) if p.grad is not None and j not in hooks.stepped]
-    for j in late:  # a grad written by hand, or accumulated outside the hooks' reach
+    for j in late:  # a grad written by hand, from a nested backward, or outside the hooks' reach
         if opt._params[j].is_floating_point():
             optimizer_leaf(opt, j, opt._params[j])
     hooks.end()
