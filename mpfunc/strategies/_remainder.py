@@ -114,7 +114,7 @@ def pack_ties(bits: torch.Tensor) -> torch.Tensor:
     pad = (-n) % 8
     if pad:
         row = torch.nn.functional.pad(row, (0, pad))
-    row = row.reshape(*row.shape[:-1], -1, 8).to(torch.int32)
+    row = row.reshape(*row.shape[:-1], row.shape[-1] // 8, 8).to(torch.int32)  # no -1: 0 rows
     weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=row.device)
     packed = (row * weights).sum(-1, dtype=torch.int32).to(TIE_DTYPE)
     return packed.reshape(tie_shape(shape))
@@ -127,7 +127,7 @@ def unpack_ties(ties: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     row = ties.reshape(1) if not shape else ties
     shifts = torch.arange(8, dtype=torch.int32, device=ties.device)
     out = row.to(torch.int32).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
-    out = out.reshape(*row.shape[:-1], -1)
+    out = out.reshape(*row.shape[:-1], row.shape[-1] * 8)  # no -1: a param may have 0 rows
     n = shape[-1] if shape else 1
     return out[..., :n].reshape(shape)
 
