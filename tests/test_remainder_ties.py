@@ -223,6 +223,36 @@ def test_sidecar_round_trips_with_tie_bits(tmp_path: Path) -> None:
         assert torch.equal(bits(sd[k])[~nan], bits(v.to(BF16))[~nan])
 
 
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0,), (3, 0, 5)])
+def test_an_empty_param_exports_and_round_trips(shape: tuple[int, ...]) -> None:
+    """A zero-size param (an empty embedding, a 0-row slice) beside a real one: the tie
+    bits were unpacked with reshape(..., -1), which torch refuses for 0 elements, so
+    masters_state_dict and masters_from_remainders raised torch's reshape error."""
+    params = {"e": torch.zeros(shape, dtype=BF16), "w": torch.randn(3, 9).to(BF16)}
+    m = mpfunc.init_master(params, strategy="remainder")
+    opt = mpfunc.adamw(lr=1e-2)
+    state = opt.init(m)
+    mpfunc.apply_update_(m, {k: torch.randn(v.shape) for k, v in params.items()}, state, opt)
+    sd = mpfunc.masters_state_dict(m)
+    assert sd["e"].shape == shape and sd["e"].dtype == torch.float32
+    back = mpfunc.masters_from_remainders(params, mpfunc.remainders_state_dict(m))
+    for k in params:
+        assert_bits_equal(back[k], sd[k])
+
+
+def test_checkpoint_keys_that_print_alike_are_refused() -> None:
+    """Keys 1 and '1' both print as '1': masters_state_dict kept one of the two leaves and
+    dropped the other without a word. Every state_dict refuses the collision."""
+    m = mpfunc.init_master(
+        {1: torch.ones(2, dtype=BF16), "1": torch.ones(3, dtype=BF16)}, strategy="remainder"
+    )
+    for f in (mpfunc.masters_state_dict, mpfunc.remainders_state_dict, mpfunc.state_dict):
+        with pytest.raises(
+            ValueError, match=r"two leaves have the same key '1(\.param)?'.*\(1 and '1'\)"
+        ):
+            f(m)
+
+
 def test_old_sidecar_loads_by_the_old_rule() -> None:
     """A sidecar written before tie bits, beside its ties-away params: the same masters."""
     v1 = _v1()

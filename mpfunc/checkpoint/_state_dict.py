@@ -46,6 +46,15 @@ _VERSION = 1
 _DIRECT = ("cpu", "cuda")  # devices whose data_ptr is a real address
 
 
+def _check_unique(fn: str, key: str, seen: Mapping[str, object]) -> None:
+    """Two leaves under one key: the second would overwrite the first, silently."""
+    if key in seen:
+        raise ValueError(
+            f"{fn}: two leaves have the same key {key!r}: a dict key containing '.' shadows "
+            f"a nested path, or two keys print alike (1 and '1'); rename one"
+        )
+
+
 def _keyed_leaves(fn: str, tree: Any) -> tuple[list[str | None], list[Any], Any]:
     """Each leaf with its dotted path (``None`` for ``None`` leaves), after checking that
     every leaf is a tensor or ``None``, that no two paths collide and that none is the
@@ -60,11 +69,7 @@ def _keyed_leaves(fn: str, tree: Any) -> tuple[list[str | None], list[Any], Any]
             keys.append(None)
             continue
         key = paths[i]
-        if key in seen:
-            raise ValueError(
-                f"{fn}: two leaves have the same key {key!r} (a dict key containing '.' "
-                f"shadows a nested path); rename one"
-            )
+        _check_unique(fn, key, seen)
         if key == MANIFEST_KEY:
             raise ValueError(
                 f"{fn}: the key {key!r} is reserved for the checksums of mpfunc's files; "
@@ -368,6 +373,7 @@ def masters_state_dict(
         for key, leaf in zip(keys, side.leaves):
             if leaf is None:
                 continue
+            _check_unique("masters_state_dict", key, sd)
             s = _strategy.by_unit(leaf)
             value = leaf if s is None else s.export(leaf)
             sd[key] = value.detach().cpu().clone()
@@ -446,6 +452,7 @@ def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k, leaf in zip(keys, side.leaves):
         if isinstance(leaf, RemainderMaster):
+            _check_unique("remainders_state_dict", k, out)
             out[k] = leaf.remainder.detach().cpu().clone()
             out[k + TIES_SUFFIX] = leaf.ties.detach().cpu().clone()
             crc = _param_crc(leaf.param.detach())
