@@ -1056,6 +1056,46 @@ def test_master_optimizer_from_torch() -> None:
         mpfunc.MasterOptimizer.from_torch(torch.optim.RMSprop(params, lr=0.1))
 
 
+@pytest.mark.parametrize("state_dtype", [torch.uint8, torch.uint4] if hasattr(torch, "uint4")
+                         else [torch.uint8], ids=str)  # fmt: skip
+def test_a_small_param_with_8bit_state_names_the_param_and_a_param_group(
+    state_dtype: torch.dtype,
+) -> None:
+    """A param too small for an 8/4-bit block: the error named 'masters.5' and a functional
+    partition, and came after the optimizer had taken the group in (a later step ran on a
+    half-added group). Now it names the param, offers a param group with
+    state_dtype=None (which trains), and the optimizer is as before the call."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model.to(torch.bfloat16)
+    big = [model[0].weight, model[1].weight]
+    small = [model[0].bias, model[1].bias]
+    named = model.named_parameters if NAMED else model.parameters
+    bias = "1.bias" if NAMED else r"param_groups\[0\]\.params\[3\]"
+    with pytest.raises(ValueError, match=(
+        rf"^MasterOptimizer: param_groups\[0\]: adamw\.init: at '{bias}': expected a leaf of "
+        r"at least 32 elements .*, got 4 elements\. Keep small params in fp32 state, in a "
+        r"param group of their own: MasterOptimizer\(\[\{'params': big\}, \{'params': "
+        r"small, 'state_dtype': None\}\], \.\.\.\)"
+    )):  # fmt: skip
+        mpfunc.MasterOptimizer(named(), mpfunc.adamw, state_dtype=state_dtype)
+    opt = mpfunc.MasterOptimizer(
+        [{"params": big}, {"params": small, "state_dtype": None}], mpfunc.adamw,
+        state_dtype=state_dtype, lr=1e-2,
+    )  # fmt: skip
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    before = (len(opt.param_groups), len(opt._params), len(opt._masters), dict(opt._states))
+    with pytest.raises(ValueError, match=r"at least 32 elements"):
+        opt.add_param_group({"params": [extra]})
+    assert before == (len(opt.param_groups), len(opt._params), len(opt._masters),
+                      dict(opt._states))  # fmt: skip
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    extra.grad = torch.ones_like(extra)
+    opt.step()  # the refused group's param is not trained, the others are
+    assert torch.equal(extra.detach(), torch.zeros(3, dtype=torch.bfloat16))
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
+
+
 DECOUPLED = "decoupled_weight_decay" in torch.optim.Adam([torch.zeros(1)]).defaults
 
 

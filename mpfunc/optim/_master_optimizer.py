@@ -419,15 +419,27 @@ class MasterOptimizer(torch.optim.Optimizer):
                     p if p.is_floating_point() else None for p in everything
                 ]), None,
             )  # fmt: skip
+            # The state too, before anything of the optimizer's changes (a leaf too small
+            # for an 8-bit block is refused here).
+            made = self._built[label][1].init([None] * len(self._params) + masters)
         except (TypeError, ValueError) as e:
             self.param_groups.pop()
+            self._built.pop(label, None)  # the optimizer stays as it was before the call
 
             # init_master names a param by its index in the optimizer's flat list: say which.
             def named(m: re.Match[str]) -> str:
                 return repr(_name_of(names, int(m.group(1)) - len(self._params)))
 
-            text = re.sub(r"'params\.(\d+)'", named, str(e))
+            text = re.sub(r"'(?:params|masters)\.(\d+)'", named, str(e))
             text = re.sub(r"strategy\.(\d+):", lambda m: f"strategy({named(m)}):", text)
+            # The functional way out (a partition) is a param group here.
+            text = re.sub(
+                r"Keep small leaves in fp32 state: mpfunc\.partition.*$",
+                "Keep small params in fp32 state, in a param group of their own: "
+                "MasterOptimizer([{'params': big}, {'params': small, 'state_dtype': None}], "
+                "...) with small = [p for p in params if p.numel() < 4096]",
+                text,
+            )
             raise type(e)(f"MasterOptimizer: param_groups[{i}]: {text}") from e
         n_old, n = len(self._params), len(params)
         self._group_params.append((group["params"], len(group["params"])))
@@ -442,7 +454,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._linked += [None] * n
         for state in self._states.values():
             _extend(state, n)
-        self._states[label] = self._built[label][1].init([None] * n_old + masters)
+        self._states[label] = made
         for j in range(n_old, n_old + n):
             self._link(j)
         self._opt = None
