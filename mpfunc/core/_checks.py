@@ -775,7 +775,9 @@ def check_no_alias(fn: str, written: Sequence[Side], read: Sequence[Side] = ()) 
     The common case (no overlap at all) costs a few attribute reads per tensor and one
     sort of nearly sorted addresses; only when some ranges overlap does the exact sweep
     run, which tells a harmless overlap of two read-only leaves from one that a write
-    would break.
+    would break, and, for strided views whose ranges interleave (``x[:, 0]`` and
+    ``x[:, 1]``), compares element addresses: views sharing no element are two tensors
+    (above ``_EXACT_LIMIT`` elements they are taken as sharing).
 
     Under ``torch.compile`` this runs while dynamo traces, by tensor identity (``_root``),
     since addresses cannot be traced: one tensor under two names is refused, and dynamo
@@ -935,7 +937,8 @@ def _memory_common(fresh: Sequence[Side], others: Sequence[Side], in_place: bool
 
 def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
     """The exact check, on the rare path: raises for the first overlap involving a write."""
-    spans: list[tuple[int, int, int, int, bool]] = []  # start, end, side, leaf, written
+    # start, end, side, leaf, written, tensor
+    spans: list[tuple[int, int, int, int, bool, torch.Tensor]] = []
     ids: dict[object, tuple[int, int, bool]] = {}
     sides = (*written, *read)
     traced = compiling()
@@ -950,20 +953,46 @@ def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
                     _alias(fn, sides, prev[:2], (s, i))
                 continue
             start, end = _span(t)
-            spans.append((start, end, s, i, is_written))
-    spans.sort()
-    # Track the open range reaching furthest, and the furthest-reaching written one.
-    far: tuple[int, int, int, int, bool] | None = None
-    far_w: tuple[int, int, int, int, bool] | None = None
+            spans.append((start, end, s, i, is_written, t))
+    spans.sort(key=lambda x: x[:5])
+    # The ranges still open at each start; a pair with a write among them overlaps if they
+    # share an element (interleaved views of one buffer, as x[:, 0] and x[:, 1], do not).
+    open_: list[tuple[int, int, int, int, bool, torch.Tensor]] = []
     for cur in spans:
-        start, end, _, _, is_written = cur
-        other = far_w if not is_written else far
-        if other is not None and other[1] > start:
-            _alias(fn, sides, other[2:4], cur[2:4])
-        if far is None or end > far[1]:
-            far = cur
-        if is_written and (far_w is None or end > far_w[1]):
-            far_w = cur
+        start, _, _, _, is_written, t = cur
+        open_ = [o for o in open_ if o[1] > start]
+        for o in open_:
+            if (o[4] or is_written) and _share_elements(o[5], t) is not False:
+                _alias(fn, sides, o[2:4], cur[2:4])
+        open_.append(cur)
+
+
+_EXACT_LIMIT = 1 << 23  # elements of two tensors compared address by address
+
+
+def _byte_starts(t: torch.Tensor) -> torch.Tensor:
+    """The address of each element of ``t`` (metadata only: no value is read)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return offsets.reshape(-1) * t.element_size() + t.data_ptr()
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether two tensors whose byte ranges overlap touch a common byte; ``None`` when
+    they are too large to compare element by element (taken as sharing)."""
+    if a.numel() + b.numel() > _EXACT_LIMIT:
+        return None
+    if a.is_contiguous() and b.is_contiguous():
+        return True  # two dense ranges that overlap share a byte
+    sa, sb = _byte_starts(a), torch.sort(_byte_starts(b)).values
+    # For each element of a, the first element of b at or after it, and the one before.
+    k = torch.searchsorted(sb, sa)
+    after = sb[k.clamp(max=sb.numel() - 1)]
+    before = sb[(k - 1).clamp(min=0)]
+    hit_after = (k < sb.numel()) & (after < sa + a.element_size())
+    hit_before = (k > 0) & (before + b.element_size() > sa)
+    return bool((hit_after | hit_before).any())
 
 
 def _alias(fn: str, sides: Sequence[Side], a: tuple[int, int], b: tuple[int, int]) -> NoReturn:
