@@ -488,6 +488,8 @@ def test_consumed_grad_interfaces_that_bypass_dispatch_raise() -> None:
         lambda: g.__dlpack__(),
         lambda: g.__cuda_array_interface__,
         lambda: np.asarray(g),
+        lambda: g.tolist(),  # torch's own refusal named no param
+        lambda: g.numpy(),
     ):
         with pytest.raises(RuntimeError, match=_FREED):
             read()

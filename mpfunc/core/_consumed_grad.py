@@ -194,6 +194,12 @@ class ConsumedGrad(torch.Tensor):
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(self.message("__dlpack__"))
 
+    def tolist(self) -> Any:  # torch refuses it for every subclass, without the param's name
+        raise RuntimeError(self.message("tolist"))
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self.message("numpy"))
+
     def __dlpack_device__(self) -> Any:
         raise RuntimeError(self.message("__dlpack_device__"))
 
