@@ -302,17 +302,22 @@ def _schedule_count(steps: Sequence[Any] | None, device: torch.device) -> torch.
     On the device, no host read; 0 for an optimizer without step counts."""
     if steps is None:
         return torch.zeros((), device=device)
-    local = [t for t in _dtensor.locals_(steps) if t.device == device]
+    local = _dtensor.locals_(steps)
     if len(local) == 1:
-        return typing.cast(torch.Tensor, local[0].detach().clone())
-    return torch.stack([t.detach() for t in local]).amax()
+        return typing.cast(torch.Tensor, local[0].clone())
+    with torch.no_grad():  # step counts take no grad: no detach per leaf
+        return torch.stack(local).max()
 
 
 def _lr_on(
-    lr: LRArg, device: torch.device, steps: Sequence[Any] | None, cache: dict[Any, Any]
+    lr: LRArg,
+    device: torch.device,
+    steps: Mapping[torch.device, list[Any]] | None,
+    cache: dict[Any, Any],
 ) -> LR:
     """``lr`` for one group: a float as is; a tensor moved (once per step) to the device;
-    a schedule called (once per step and device) with ``_schedule_count``."""
+    a schedule called (once per step and device) with ``_schedule_count`` of ``steps``,
+    the stepping leaves' counts by device."""
     if isinstance(lr, torch.Tensor):
         if device not in cache:
             cache[device] = lr.to(device=device, dtype=torch.float32, non_blocking=True)
@@ -320,7 +325,8 @@ def _lr_on(
     if callable(lr):
         key = ("schedule", device)
         if key not in cache:
-            cache[key] = _call_schedule(lr, device, _schedule_count(steps, device))
+            counts = None if steps is None else steps[device]
+            cache[key] = _call_schedule(lr, device, _schedule_count(counts, device))
         return typing.cast(LR, cache[key])
     return lr
 
@@ -630,8 +636,13 @@ def _plan_elementwise(
         if memo_key is not None and step.sweep is not None:
             step.sweep.keep(partial(step.memo.put, memo_key, groups, parts))
     steps = fields.get("step")
-    # The step counts of the leaves that step (those in a group): what a schedule reads.
-    stepping = None if steps is None else [steps[i] for _, idx in groups for i in idx]
+    # What a schedule reads: the step counts of the leaves that step (those in a group).
+    stepping: dict[torch.device, list[Any]] | None = None
+    if steps is not None and callable(lr) and not isinstance(lr, torch.Tensor):
+        stepping = {}
+        for key, idx in groups:
+            on = typing.cast(torch.device, key[0])
+            stepping.setdefault(on, []).extend([steps[i] for i in idx])
     cache: dict[Any, Any] = {}
     work: list[Work] = []
     state_type: Any = rule.state_type
