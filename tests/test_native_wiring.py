@@ -360,7 +360,8 @@ def test_transforms_use_the_native_cast(calls: list[str]) -> None:
     for k in masters:
         assert_bits_equal(params[k], masters[k].to(params[k].dtype))
     calls.clear()
-    mpfunc.grads_to_fp32_({"h": torch.ones(n, dtype=torch.float64)}, {"h": torch.empty(n)})
+    f64 = torch.float64
+    mpfunc.grads_to_fp32_({"h": torch.ones(n, dtype=f64)}, {"h": torch.empty(n, dtype=f64)})
     mpfunc.masters_to_model_({"s": torch.ones(7)}, {"s": torch.empty(7, dtype=torch.bfloat16)})
     assert calls == []
 
