@@ -265,3 +265,48 @@ def test_a_cpu_torch_optim_checkpoint_resumes_on_xla(
         else:  # param + a bf16 compensation: about 16 significant bits
             m = p.detach().float() + st["compensation"].float()
             torch.testing.assert_close(m.cpu(), r.detach(), rtol=2**-14, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("cls", "factory", "kw"),
+    [
+        (torch.optim.AdamW, mpfunc.adamw, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+        (torch.optim.SGD, mpfunc.sgd, {"lr": 1e-2}),  # momentum 0: its state is always {}
+    ],
+    ids=["adamw-unused-param", "sgd-no-momentum"],
+)
+def test_params_without_saved_state_start_afresh_as_in_torch(
+    cls: type, factory: object, kw: dict
+) -> None:
+    """A torch.optim checkpoint with no entry for a param (it had no grad yet; plain SGD
+    keeps none at all) was refused as 'expected the keys [...], got []', though torch
+    loads it: such a param starts afresh at its next step. It does so here too, and the
+    run goes on as torch's."""
+    gen = torch.Generator().manual_seed(3)
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((6, 4), (4,), (3,))]
+    ref_opt = cls(ref, **kw)
+    for k in range(2):
+        for i, r in enumerate(ref):
+            r.grad = None if i == 1 else torch.randn(r.shape, generator=gen)
+        ref_opt.step()
+    sd = ref_opt.state_dict()
+    params = [torch.nn.Parameter(r.detach().clone()) for r in ref]
+    mine = {k: v for k, v in kw.items() if k != "fused"}
+    opt = mpfunc.MasterOptimizer(params, factory, **mine)  # type: ignore[arg-type]
+    for p in params:  # a step first, so every param holds state the load must drop or replace
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        for p, r in zip(params, ref):
+            p.copy_(r)
+    opt.load_state_dict(sd)
+    for k in range(3):
+        for p, r in zip(params, ref):
+            r.grad = torch.randn(r.shape, generator=gen)
+            p.grad = r.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        assert_bits_equal(p.detach(), r.detach())
+        for name, t in ref_opt.state[r].items():
+            assert_bits_equal(opt.state[p][name], t)

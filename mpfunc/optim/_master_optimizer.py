@@ -420,8 +420,11 @@ class MasterOptimizer(torch.optim.Optimizer):
                 ]), None,
             )  # fmt: skip
             # The state too, before anything of the optimizer's changes (a leaf too small
-            # for an 8-bit block is refused here).
+            # for an 8-bit block is refused here), and the hooks' checks.
             made = self._built[label][1].init([None] * len(self._params) + masters)
+            if self._in_backward is not None:
+                for name, p in zip(names, params):
+                    _step_in_backward.check_optimizer_param(name, p)
         except (TypeError, ValueError) as e:
             self.param_groups.pop()
             self._built.pop(label, None)  # the optimizer stays as it was before the call
@@ -440,7 +443,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                 "...) with small = [p for p in params if p.numel() < 4096]",
                 text,
             )
-            raise type(e)(f"MasterOptimizer: param_groups[{i}]: {text}") from e
+            if not text.startswith("MasterOptimizer"):  # the hooks' checks say it already
+                text = f"MasterOptimizer: param_groups[{i}]: {text}"
+            raise type(e)(text) from e
         n_old, n = len(self._params), len(params)
         self._group_params.append((group["params"], len(group["params"])))
         self._kinds += kinds
@@ -877,6 +882,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         src: list[torch.Tensor] = []
         rewrites: list[tuple[torch.Tensor, torch.Tensor]] = []
         saved_at = {j: k for k, j in index.items()}
+        fresh: list[int] = []
         for j, p in enumerate(self._params):
             live: dict[str, Any] | None
             if j in made:
@@ -891,6 +897,11 @@ class MasterOptimizer(torch.optim.Optimizer):
                 if entry:
                     raise ValueError(f"{fn}: {where}: expected no state (a frozen param), got "
                                      f"{sorted(entry)}")  # fmt: skip
+                continue
+            if not entry:
+                # No state saved for it (no grad yet in that run, frozen then, plain SGD's
+                # empty state): as torch.optim, it starts afresh at its next step.
+                fresh.append(j)
                 continue
             if set(live) - set(entry) == {"ties"} and set(entry) <= set(live):
                 # A "remainder" entry saved before tie bits: its pair with the model's param
@@ -930,6 +941,8 @@ class MasterOptimizer(torch.optim.Optimizer):
                 saved["param_names"] = group["param_names"]
         self.param_groups = saved_groups
         self._opt = None
+        for j in fresh:  # taken up by the next step: step count 0, zero moments, a new master
+            self.state[self._params[j]] = {}
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
 
