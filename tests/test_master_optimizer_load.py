@@ -285,7 +285,7 @@ def test_params_without_saved_state_start_afresh_as_in_torch(
     gen = torch.Generator().manual_seed(3)
     ref = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((6, 4), (4,), (3,))]
     ref_opt = cls(ref, **kw)
-    for k in range(2):
+    for _ in range(2):
         for i, r in enumerate(ref):
             r.grad = None if i == 1 else torch.randn(r.shape, generator=gen)
         ref_opt.step()
@@ -300,7 +300,7 @@ def test_params_without_saved_state_start_afresh_as_in_torch(
         for p, r in zip(params, ref):
             p.copy_(r)
     opt.load_state_dict(sd)
-    for k in range(3):
+    for _ in range(3):
         for p, r in zip(params, ref):
             r.grad = torch.randn(r.shape, generator=gen)
             p.grad = r.grad.clone()
