@@ -790,6 +790,56 @@ def test_add_param_group_is_hooked() -> None:
     )
 
 
+def test_a_value_set_between_backward_and_step_is_refused() -> None:
+    """A warm-up that sets the lr after the backward (or a scheduler stepped before the
+    optimizer): the ordinary step uses the new value, the leaves stepped inside backward
+    used the old one, and nothing said so. step() now raises naming the group, the key and
+    both values; the step is complete (with the old values) and training goes on."""
+    net = make_net()
+    opt = mpfunc.MasterOptimizer(net.parameters(), step_in_backward=True, lr=0.0)
+    loss_of(net, 0).backward()
+    opt.param_groups[0]["lr"] = 1e-2
+    with pytest.raises(RuntimeError, match=(
+        r"step: param_groups\[0\]\['lr'\] changed after the backward began \(0\.0 -> 0\.01\)"
+        r".*this step used 0\.0"
+    )):  # fmt: skip
+        opt.step()
+    assert float(opt.state[net.lin.weight]["step"]) == 1.0  # the step is complete
+    before = [p.detach().clone() for p in net.parameters()]
+    loss_of(net, 1).backward()  # the next step: the new lr, no error
+    opt.step()
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, net.parameters()))
+
+
+def test_a_refused_add_param_group_adds_nothing() -> None:
+    """A new group's param holding a grad is refused by the hooks' checks; they ran after
+    the group was taken in, so the optimizer kept a half-hooked group (its params trained,
+    one without a hook) and the retry the message asks for was refused by torch as a param
+    in two groups. Now nothing is added, and the retry after clearing the grad works."""
+    net = make_net()
+    first = [p for n, p in net.named_parameters() if not n.startswith("lin.")]
+    opt = mpfunc.MasterOptimizer(first, step_in_backward=True, lr=1e-2)
+    net.lin.bias.grad = torch.ones_like(net.lin.bias)
+    before = (
+        len(opt.param_groups),
+        len(opt._params),
+        len(opt.state),
+        len(opt._in_backward.handles),
+    )
+    with pytest.raises(ValueError, match=(
+        r"^MasterOptimizer\(step_in_backward=True\): at 'param_groups\[1\]\.params\[1\]': "
+        r"expected a param without a \.grad"
+    )):  # fmt: skip
+        opt.add_param_group({"params": list(net.lin.parameters())})
+    assert before == (len(opt.param_groups), len(opt._params), len(opt.state),
+                      len(opt._in_backward.handles))  # fmt: skip
+    net.lin.bias.grad = None
+    opt.add_param_group({"params": list(net.lin.parameters())})
+    loss_of(net, 0).backward()
+    assert isinstance(net.lin.bias.grad, mpfunc.ConsumedGrad)
+    opt.step()
+
+
 def _both_refuse(net: Net, got: str) -> list[torch.Tensor]:
     """MasterOptimizer(step_in_backward=True) and the functional hooks refuse ``net``'s
     params in a data parallel run (``got`` names it); returns the params."""

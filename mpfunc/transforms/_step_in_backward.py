@@ -142,6 +142,7 @@ class Hooks:
         # Set by the owner: (where, j -> leaf name, how the step ends), for messages.
         self.names: tuple[str, Callable[[int], str], str] = ("step_in_backward", str, "the end")
         self.begun = False  # the step's once-per-step work is done
+        self.values: list[tuple[Any, ...]] | None = None  # the groups' values it read
         # The params whose .grad holds a ConsumedGrad until the step ends (weakly).
         self.consumed: list[weakref.ref[torch.Tensor]] = []
         # Removes the hooks when this object is collected (it holds no param, and the
@@ -199,6 +200,7 @@ class Hooks:
         self.stepped = set()
         self.deferred = set()
         self.begun = False
+        self.values = None
         _release(self.consumed)
 
 
@@ -479,16 +481,22 @@ def optimizer_hooks(opt: Any) -> Hooks:
     return hooks
 
 
-def watch_optimizer_param(opt: Any, hooks: Hooks, j: int) -> None:
-    p = opt._params[j]
+def check_optimizer_param(where: str, p: torch.Tensor) -> bool:
+    """Whether param ``p`` gets a hook, after refusing one whose grads no hook can see;
+    ``add_param_group`` calls it before the group is taken in."""
     if not p.is_floating_point() or not p.requires_grad:
         # No master ever, or frozen (torch hooks only params that require grad): a grad it
         # gets after an unfreeze is stepped by step(), after the backward.
-        return
-    where = opt._names[j]
+        return False
     check_param(_OPT, where, p)
     check_no_grad(_OPT, where, p)
-    hooks.watch(j, p)
+    return True
+
+
+def watch_optimizer_param(opt: Any, hooks: Hooks, j: int) -> None:
+    p = opt._params[j]
+    if check_optimizer_param(opt._names[j], p):
+        hooks.watch(j, p)
 
 
 def optimizer_leaf(opt: Any, j: int, p: torch.Tensor) -> None:
@@ -504,6 +512,7 @@ def optimizer_leaf(opt: Any, j: int, p: torch.Tensor) -> None:
         opt._round_written_masters()
         opt._resync()
         hooks.begun = True
+        hooks.values = group_values(opt)
     if opt._masters[j] is None:
         opt._adopt(j)  # frozen when added, trained now: state made as at a first step
     label = opt._labels[j]
@@ -547,4 +556,29 @@ def optimizer_step(opt: Any, skip: torch.Tensor | None) -> None:
     for j in late:  # a grad written by hand, from a nested backward, or outside the hooks' reach
         if opt._params[j].is_floating_point():
             optimizer_leaf(opt, j, opt._params[j])
+    used, now = hooks.values, group_values(opt)
     hooks.end()
+    if used is not None and used != now:
+        # A value set between the backward and step() (a warm-up written there, a
+        # scheduler stepped before the optimizer): the ordinary step would use it.
+        i, k, old, new = next(
+            (i, k, a, b)
+            for i, (g_old, g_new) in enumerate(zip(used, now))
+            for k, a, b in zip(opt._keys, g_old, g_new)
+            if a != b
+        )
+        raise RuntimeError(
+            f"{_OPT}.step: param_groups[{i}][{k!r}] changed after the backward began "
+            f"({old!r} -> {new!r}), but {WHOLE_TREE}: this step used {old!r}. Set the "
+            "values before the backward (scheduler.step() after opt.step(), as torch "
+            "expects), or build the optimizer without step_in_backward"
+        )
+
+
+def group_values(opt: Any) -> list[tuple[Any, ...]]:
+    """Each group's hyperparameters as the step reads them (a tensor by identity: its
+    value is read on the device)."""
+    return [
+        tuple(id(v) if isinstance(v, torch.Tensor) else v for v in (g[k] for k in opt._keys))
+        for g in opt.param_groups
+    ]
