@@ -235,3 +235,27 @@ def test_a_loop_with_loss_scaling_clipping_and_skip_traces_whole() -> None:
     for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(loop.masters), strict=True):
         assert torch.equal(a, b)
     assert float(box[0].loss_scale) == 2.0**15
+
+
+def test_master_optimizer_step_inside_a_compiled_function_runs_eagerly() -> None:
+    """torch's "compile the optimizer step" recipe around a MasterOptimizer crashed inside
+    dynamo (an attribute write it refuses). The step is a graph break now and runs eagerly:
+    the same bits as an eager loop."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+        opt = mpfunc.MasterOptimizer(model.parameters(), strategy="remainder", lr=1e-2)
+
+        def step() -> None:
+            opt.step()  # noqa: B023 (each run's own optimizer)
+
+        run = torch.compile(step, backend="eager") if compiled else step
+        for k in range(3):
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(k))
+            model(x.to(torch.bfloat16)).float().pow(2).sum().backward()
+            run()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

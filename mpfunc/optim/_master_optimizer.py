@@ -743,6 +743,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                 m.copy_(torch.where(same, m, p_.to(m.dtype)))
             self._versions[j] = p._version
 
+    # Under torch.compile the step runs eagerly (a graph break), as its bookkeeping is
+    # Python state that dynamo cannot trace (it refused the first attribute write).
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def step(
         self,
         closure: Callable[[], Any] | None = None,
@@ -750,6 +753,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         skip: torch.Tensor | None = None,
     ) -> Any:
         """One mixed-precision step over every param that has a ``.grad``.
+
+        Inside a function compiled with ``torch.compile`` it runs eagerly (a graph
+        break); for a compiled step use the functional transforms.
 
         Args:
           closure: as in torch.optim: re-evaluates the model and returns the loss.
