@@ -1233,3 +1233,22 @@ def test_strategies_train_and_resume() -> None:
             assert torch.equal(rem.state[p][key], resumed.state[q][key])
     with pytest.raises(ValueError, match="param_groups\\[0\\]: init_master"):
         mpfunc.MasterOptimizer([torch.ones(3, requires_grad=True)], strategy="remainder")
+
+
+def test_a_numpy_lr_is_a_real_number() -> None:
+    """A LambdaLR factor computed in numpy makes the group's lr a numpy.float32, which
+    torch.optim takes; MasterOptimizer refused it ('expected a float >= 0, got float32')."""
+    np = pytest.importorskip("numpy")
+    opt, ref_opt, params, ref = adamw_pair(CPU)
+    scheds = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda k: np.float32(0.5) ** k) for o in (opt, ref_opt)
+    ]
+    for k in range(3):
+        set_grads(k, params, ref)
+        opt.step()
+        ref_opt.step()
+        for s in scheds:
+            s.step()
+    assert isinstance(opt.param_groups[0]["lr"], np.floating)
+    for m, r in zip(masters(opt), ref):
+        assert_bits_equal(m, r.detach())

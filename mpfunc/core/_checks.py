@@ -15,6 +15,7 @@ leaves every tensor as it was.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, NoReturn, Union
 
@@ -130,7 +131,8 @@ def real(
     both ends are bounded, which already excludes infinities).
     """
     rule = _bounds(ge, gt, le, lt)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # Any real number: numpy's float32 (a LambdaLR factor computed in numpy) is not a float.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: {name}: expected a float {rule}, got {type(value).__name__}")
     v = float(value)
     ok = (
