@@ -1252,3 +1252,42 @@ def test_a_numpy_lr_is_a_real_number() -> None:
     assert isinstance(opt.param_groups[0]["lr"], np.floating)
     for m, r in zip(masters(opt), ref):
         assert_bits_equal(m, r.detach())
+
+
+@pytest.mark.parametrize("strategy", ["fp32", "kahan", "stochastic"])
+def test_deepcopy_and_pickle_keep_the_whole_optimizer(strategy: str, tmp_path: Any) -> None:
+    """torch.optim's __getstate__ keeps defaults, state and param_groups only, so a
+    deepcopy of (model, opt) or a pickled optimizer lost its masters and failed at the
+    first step with "no attribute '_in_backward'". The copy now carries everything: it and
+    the original go on in step, bit for bit, and neither touches the other."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Linear(40, 3))
+    model.to(torch.bfloat16)
+    opt = mpfunc.MasterOptimizer(model.parameters(), strategy=strategy, lr=1e-2)
+
+    def step(m: torch.nn.Module, o: mpfunc.MasterOptimizer, k: int) -> None:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        m(x).float().pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+    step(model, opt, 0)
+    model2, opt2 = copy.deepcopy((model, opt))
+    torch.save((model, opt), tmp_path / "both.pt")
+    model3, opt3 = torch.load(tmp_path / "both.pt", weights_only=False)
+    for k in (1, 2):
+        for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
+            step(m, o, k)
+    for m in (model2, model3):
+        for a, b in zip(model.parameters(), m.parameters()):
+            assert_bits_equal(a.detach(), b.detach())
+    for o in (opt2, opt3):
+        sd, sd0 = o.state_dict()["state"], opt.state_dict()["state"]
+        for j in sd0:
+            for name, t in sd0[j].items():
+                if isinstance(t, torch.Tensor):
+                    assert torch.equal(t, sd[j][name])
+    sib = mpfunc.MasterOptimizer(model.parameters(), step_in_backward=True)
+    with pytest.raises(TypeError, match=r"step_in_backward=True\): cannot be copied or pickled"):
+        copy.deepcopy(sib)
+    sib.close()

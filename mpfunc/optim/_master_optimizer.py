@@ -804,6 +804,30 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._master_versions = [_version(m) for m in self._masters]
         return loss
 
+    # --- copies ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything, for ``copy.deepcopy`` (of the model and optimizer together) and
+        pickling: torch.optim's keeps only ``defaults``, ``state`` and ``param_groups``,
+        which left a copy without its masters. The built optimizers are left out (they
+        close over this optimizer's lists) and rebuilt at the copy's next step."""
+        if self._in_backward is not None:
+            raise TypeError(
+                "MasterOptimizer(step_in_backward=True): cannot be copied or pickled, its "
+                "hooks live on the params. Save opt.state_dict() and load it into a new "
+                "MasterOptimizer over the copied model"
+            )
+        state = dict(self.__dict__)
+        state["_opt"] = None
+        state["_built"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # A copy's params and masters are new tensors with their own version counters.
+        self._versions = [p._version for p in self._params]
+        self._master_versions = [_version(m) for m in self._masters]
+
     # --- step_in_backward=True ---------------------------------------------------------------
 
     def _step_leaf(self, j: int, p: torch.Tensor) -> None:
