@@ -104,7 +104,9 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
             group = [leaves[i] for i in idx]
             scaled = torch._foreach_mul(_dtensor.locals_(group), coef.to(device))
             for i, g, t in zip(idx, group, scaled):
-                out[i] = _dtensor.wrap_like(g, t)
+                # A 0-d grad times the 0-d coefficient promotes to the coefficient's dtype;
+                # back to the grad's, as the in-place twin's (and torch's) mul_ keeps it.
+                out[i] = _dtensor.wrap_like(g, t if t.dtype == g.dtype else t.to(g.dtype))
     return _tree.unflatten(spec, out), total
 
 
