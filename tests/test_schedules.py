@@ -94,3 +94,52 @@ def test_schedule_counts_the_optimizers_steps_not_a_leafs(name: str) -> None:
     assert [float(state.step[n]) for n in names] == [4.0, 12.0, 6.0]
     for n, r in zip(names, ref_t):  # the schedule runs in fp32 on the device, even for "c"
         assert float((masters[n] - r).abs().max()) <= 1e-6 * float(r.abs().max()), n
+
+
+@pytest.mark.parametrize("kind", ["tensor", "schedule"])
+def test_float64_masters_read_the_lr_in_float64(kind: str) -> None:
+    """A tensor lr (or a schedule's tensor) reached float64 masters rounded to float32:
+    every element off torch.optim on the same float64 params by ~3e-7, float32 error in a
+    float64 run. Read in float64 there, the run is torch's fused AdamW bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(16, 16, generator=gen, dtype=torch.float64)}
+    lr64 = torch.tensor(0.01, dtype=torch.float64)
+    lr = lr64 if kind == "tensor" else (lambda step: lr64 * 1.0)
+    opt = mpfunc.adamw(lr=lr, weight_decay=0.1)
+    masters = mpfunc.init_master(params)
+    assert masters["w"].dtype == torch.float64
+    state = opt.init(masters)
+    ref = torch.nn.Parameter(params["w"].clone())
+    ref_opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, fused=True)
+    for _ in range(3):
+        g = torch.randn(16, 16, generator=gen, dtype=torch.float64)
+        mpfunc.apply_update_(masters, {"w": g}, state, opt)
+        ref.grad = g.clone()
+        ref_opt.step()
+    assert torch.equal(masters["w"], ref.detach())
+
+
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lion"])
+def test_a_schedule_value_is_checked_before_anything_is_written(impl: str, name: str) -> None:
+    """A schedule returning a 1-d tensor (or a negative float) reached the kernels: the
+    foreach path had already counted the step (and SGD's momentum) when torch refused it,
+    and the native path named adam_mixed_ for SGD and Lion. The value is checked first."""
+    make = {"sgd": lambda **k: mpfunc.sgd(momentum=0.9, **k), "adamw": mpfunc.adamw,
+            "lion": mpfunc.lion}[name]  # fmt: skip
+    for bad, err, says in (
+        (lambda step: torch.full((2,), 1e-3), TypeError,
+         r"lr: expected the schedule .*<lambda> to return a float or a 0-d floating-point "
+         r"tensor, got torch\.float32 tensor of shape \(2,\)"),
+        (lambda step: -1.0, ValueError, r"the schedule .*<lambda>'s value\): expected a finite "
+         r"float >= 0, got -1\.0"),
+    ):  # fmt: skip
+        opt = make(lr=bad, impl=impl)
+        masters = {"w": torch.randn(64)}
+        state = opt.init(masters)
+        mpfunc.apply_update_(masters, {"w": torch.ones(64)}, state, make(lr=0.0, impl=impl))
+        snap = [t.clone() for t in (masters["w"], *[x["w"] for x in state if x is not None])]
+        with pytest.raises(err, match=says):
+            mpfunc.apply_update_(masters, {"w": torch.ones(64)}, state, opt)
+        after = [masters["w"], *[x["w"] for x in state if x is not None]]
+        assert all(torch.equal(a, b) for a, b in zip(snap, after))

@@ -310,40 +310,58 @@ def _schedule_count(steps: Sequence[Any] | None, device: torch.device) -> torch.
 
 
 def _lr_on(
+    fn: str,
     lr: LRArg,
     device: torch.device,
+    dtype: torch.dtype,
     steps: Mapping[torch.device, list[Any]] | None,
     cache: dict[Any, Any],
 ) -> LR:
-    """``lr`` for one group: a float as is; a tensor moved (once per step) to the device;
-    a schedule called (once per step and device) with ``_schedule_count`` of ``steps``,
-    the stepping leaves' counts by device."""
+    """``lr`` for one group of ``dtype`` masters: a float as is; a tensor moved (once per
+    step) to the device, in float64 for float64 masters (as a float lr is read) and
+    float32 otherwise; a schedule called (once per step and device) with
+    ``_schedule_count`` of ``steps``, the stepping leaves' counts by device, its value
+    checked before anything is written."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
     if isinstance(lr, torch.Tensor):
-        if device not in cache:
-            cache[device] = lr.to(device=device, dtype=torch.float32, non_blocking=True)
-        return typing.cast(torch.Tensor, cache[device])
+        if (device, wide) not in cache:
+            cache[device, wide] = lr.to(device=device, dtype=wide, non_blocking=True)
+        return typing.cast(torch.Tensor, cache[device, wide])
     if callable(lr):
         key = ("schedule", device)
         if key not in cache:
             counts = None if steps is None else steps[device]
-            cache[key] = _call_schedule(lr, device, _schedule_count(counts, device))
-        return typing.cast(LR, cache[key])
+            cache[key] = _call_schedule(fn, lr, device, _schedule_count(counts, device))
+        value = cache[key]
+        if isinstance(value, torch.Tensor) and value.dtype != wide:
+            if (key, wide) not in cache:
+                cache[key, wide] = value.to(wide)
+            return typing.cast(torch.Tensor, cache[key, wide])
+        return typing.cast(LR, value)
     return lr
 
 
-def _call_schedule(lr: Any, device: torch.device, count: torch.Tensor) -> LR:
-    """``lr(count)`` on ``device``, as a float or a float32 tensor there. ``count`` is a
-    copy, so a schedule returning the count itself is not moved by the step's increment.
-    On XLA, torch_xla's transfer count around the call tells whether the schedule read
-    the count back to the host."""
+def _call_schedule(fn: str, lr: Any, device: torch.device, count: torch.Tensor) -> LR:
+    """``lr(count)`` on ``device``: a float >= 0, or a 0-d floating tensor there (float32,
+    or float64 as returned: float64 masters read it so). ``count`` is a copy, so a
+    schedule returning the count itself is not moved by the step's increment. On XLA,
+    torch_xla's transfer count around the call tells whether the schedule read the count
+    back to the host."""
     lazy = is_lazy(device)
     reads = _xla_watch.host_reads() if lazy else 0
     value = lr(count)
     if lazy:
         _xla_watch.check_schedule(lr, value, device, _xla_watch.host_reads() != reads)
+    name = getattr(lr, "__qualname__", type(lr).__name__)
     if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=torch.float32)
-    return float(value)
+        if value.ndim != 0 or not value.is_floating_point():
+            raise TypeError(
+                f"{fn}: lr: expected the schedule {name} to return a float or a 0-d "
+                f"floating-point tensor, got {_checks.describe(value)}"
+            )
+        keep = torch.float64 if value.dtype == torch.float64 else torch.float32
+        return value.to(device=device, dtype=keep)
+    return _checks.real(fn, f"lr (the schedule {name}'s value)", value, ge=0.0)
 
 
 def _skip_on(skip: torch.Tensor | None, device: torch.device, cache: dict[Any, Any]) -> Any:
@@ -650,7 +668,7 @@ def _plan_elementwise(
         device, dtype, kernel_name = key[0], key[1], key[2]
         assert isinstance(device, torch.device) and isinstance(kernel_name, str)
         assert isinstance(dtype, torch.dtype)
-        lr_d = _lr_on(lr, device, stepping, cache)
+        lr_d = _lr_on(fn, lr, device, dtype, stepping, cache)
         skip_d = _skip_on(step.skip, device, cache)
         if kernel_name in ("native", "xla"):  # the whole step, all leaves in one call
             sliced = {name: pick(f, idx) for name, f in fields.items()}
