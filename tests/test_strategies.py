@@ -439,6 +439,11 @@ def test_stats_report_swallowed_updates_and_ratio() -> None:
     # No update at all (a zero grad): nothing swallowed.
     mpfunc.apply_update_(m, {"w": torch.zeros(100, dtype=BF16)}, s, opt, params=p, stats=stats)
     assert float(stats["w"].swallowed) == 0.0
+    # A statistic of another shape was written by broadcasting into it: refused, by path.
+    bad = {"w": stats["w"]._replace(ratio=torch.zeros(2))}
+    _raises(TypeError, r"apply_update_: at 'stats\.w': expected the UpdateStats of "
+            r"init_stats\(masters\) \(0-d float32 tensors.*shape \(2,\)",
+            mpfunc.apply_update_, m, {"w": g}, s, opt, params=p, stats=bad)  # fmt: skip
 
 
 # --- every strategy x state dtype: resume, pure form, errors ---------------------------------

@@ -203,6 +203,16 @@ def _recalled(
     )
 
 
+def _is_stat(t: object, master: Any) -> bool:
+    """A 0-d float32 tensor on the master's device: what a step writes a statistic into."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.ndim == 0
+        and t.dtype == torch.float32
+        and t.device == _strategy.face(master).device
+    )
+
+
 def _check_all(
     fn: str,
     masters: Any,
@@ -265,15 +275,21 @@ def _check_all(
         stat_leaves, s_spec = flat[3]
         _checks.check_same_structure(fn, "masters", masters, m_spec, "stats", stats, s_spec)
         for i, (x, st) in enumerate(zip(m.leaves, stat_leaves)):
-            if (x is None) != (st is None) or not (st is None or isinstance(st, UpdateStats)):
+            if (
+                (x is None) != (st is None)
+                or not (st is None or isinstance(st, UpdateStats))
+                or (st is not None and not all(_is_stat(t, x) for t in st))
+            ):
                 side = _checks.Side("stats", stats, stat_leaves, units=True)
                 _checks.fail(
                     TypeError,
                     fn,
                     side.path(i),
-                    "the UpdateStats of init_stats(masters)",
-                    _checks.describe(st),
-                )
+                    "the UpdateStats of init_stats(masters) (0-d float32 tensors on the "
+                    "master's device)",
+                    _checks.describe(st) if not isinstance(st, UpdateStats) else
+                    "UpdateStats(" + ", ".join(_checks.describe(t) for t in st) + ")",
+                )  # fmt: skip
         _checks.check_storage(fn, _checks.Side("stats", stats, stat_leaves, units=True))
     sides = _checks.tensor_sides(m)
     _checks.check_writable(fn, sides if model is None else [*sides, model], in_place=in_place)
