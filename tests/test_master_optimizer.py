@@ -1291,3 +1291,47 @@ def test_deepcopy_and_pickle_keep_the_whole_optimizer(strategy: str, tmp_path: A
     with pytest.raises(TypeError, match=r"step_in_backward=True\): cannot be copied or pickled"):
         copy.deepcopy(sib)
     sib.close()
+
+
+def test_a_model_converted_mid_run_keeps_its_masters() -> None:
+    """model.float() mid-run (same Parameter objects, new data, the version counter kept):
+    the step took the widened bf16 params as written and gave the "fp32" masters their
+    values, their low bits lost (2.7e-4 off torch on fp32 copies). The master stays and
+    the fp32 param shows it whole: torch's fp32 run bit for bit, then, back in bf16, its
+    rounding. A strategy that cannot hold an fp32 param names the param."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    opt = mpfunc.MasterOptimizer(model.named_parameters() if NAMED else model.parameters(),
+                                 mpfunc.adamw, lr=1e-2)  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+
+    def step(k: int) -> None:
+        gen = torch.Generator().manual_seed(k)
+        for p, r in zip(model.parameters(), ref):
+            g = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            p.grad, r.grad = g.to(p.dtype), g.float()
+        opt.step()
+        ref_opt.step()
+
+    step(0)
+    model.float()
+    step(1)
+    for p, r in zip(model.parameters(), ref):
+        assert p.dtype == torch.float32
+        assert_bits_equal(p.detach(), r.detach())
+    model.bfloat16()
+    step(2)
+    for p, r in zip(model.parameters(), ref):
+        assert_bits_equal(p.detach(), r.detach().to(torch.bfloat16))
+    model2 = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    opt2 = mpfunc.MasterOptimizer(model2.named_parameters() if NAMED else model2.parameters(),
+                                  mpfunc.adamw, strategy="remainder")  # fmt: skip
+    model2.float()
+    for p in model2.parameters():
+        p.grad = torch.ones_like(p)
+    name = r"'weight'" if NAMED else r"'param_groups\[0\]\.params\[0\]'"
+    with pytest.raises(ValueError, match=rf"^MasterOptimizer\.step: apply_update_: at "
+                                         rf"'masters\.0' \(param {name}\): expected a "
+                                         r"RemainderMaster"):  # fmt: skip
+        opt2.step()

@@ -291,6 +291,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._masters: list[torch.Tensor | None] = []
         self._labels: list[str | None] = []
         self._versions: list[int] = []
+        # Each param's dtype when last in step with its master: a model converted since
+        # (model.float()) holds the old rounding of its masters, widened, not new values.
+        self._dtypes: dict[int, torch.dtype] = {}
         self._master_versions: list[int] = []  # of "fp32" masters: written through opt.state?
         # The dict put in self.state[param] and its entries then, to notice what a user
         # replaced there (None: no master, no state).
@@ -455,6 +458,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._masters += masters
         self._labels += [None if m is None else label for m in masters]
         self._versions += [p._version for p in params]
+        self._dtypes.update({n_old + k: p.dtype for k, p in enumerate(params)})
         self._master_versions += [_version(m) for m in masters]
         self._linked += [None] * n
         for state in self._states.values():
@@ -708,6 +712,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         m, fresh = self._made(j) if made is None else made
         self._masters[j], self._labels[j] = m, label
         self._versions[j] = p._version
+        self._dtypes[j] = p.dtype
         self._master_versions[j] = _version(m)
         state = self._states[label]
         for name in state._fields:
@@ -733,15 +738,30 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     def _resync(self) -> None:
         """Masters of params written outside the optimizer take the params' new values,
-        elementwise where the param differs from the rounded master (on the device)."""
+        elementwise where the param differs from the rounded master (on the device).
+
+        A param whose dtype changed since (``model.float()``; the param keeps its version
+        counter) holds the master's rounding to the old dtype, converted: those elements
+        were not written, so the master stays and the param shows it again, its low bits
+        back (the step would otherwise take the widened rounding as a write)."""
+        dtypes = self._dtypes
         for j, (p, m) in enumerate(zip(self._params, self._masters)):
-            if not isinstance(m, torch.Tensor) or p._version == self._versions[j]:
+            if not isinstance(m, torch.Tensor):
                 continue  # (other strategies keep the param itself as the master's face)
+            old = dtypes.get(j, p.dtype)
+            if p._version == self._versions[j] and p.dtype is old:
+                continue
             with torch.no_grad():
                 p_ = p.detach()
                 same = m.to(p_.dtype) == p_
+                if p_.dtype is not old:
+                    kept = m.to(old).to(p_.dtype) == p_
+                    same |= kept
+                    with _sharding.kept([p]):
+                        p_.copy_(torch.where(kept, m.to(p_.dtype), p_))
                 m.copy_(torch.where(same, m, p_.to(m.dtype)))
             self._versions[j] = p._version
+            dtypes[j] = p_.dtype
 
     # Under torch.compile the step runs eagerly (a graph break), as its bookkeeping is
     # Python state that dynamo cannot trace (it refused the first attribute write).
@@ -797,12 +817,28 @@ class MasterOptimizer(torch.optim.Optimizer):
                 warnings.warn(_NO_GRAD, NoGradWarning, stacklevel=3)  # torch wraps step
             return loss  # no param has a grad: nothing to step, as in torch.optim
         # One pass: grads upcast (and unscaled) inside the step, params written back.
-        apply_update_(
-            self._masters, grads, self._states, opt, skip=skip, params=self._params, scale=scale
-        )
+        try:
+            apply_update_(
+                self._masters, grads, self._states, opt, skip=skip, params=self._params,
+                scale=scale,
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:  # checked before any write: say which param
+            raise type(e)(f"MasterOptimizer.step: {self._named(str(e))}") from e
         self._versions = [p._version for p in self._params]
         self._master_versions = [_version(m) for m in self._masters]
         return loss
+
+    def _named(self, text: str) -> str:
+        """An error of the step's tree call with each leaf path ``'masters.5'`` (also
+        ``params``, ``grads``) followed by the param's name."""
+
+        def name(m: re.Match[str]) -> str:
+            j = int(m.group(2))
+            return (
+                f"{m.group(0)} (param {self._names[j]!r})" if j < len(self._names) else m.group(0)
+            )
+
+        return re.sub(r"'(masters|params|grads)\.(\d+)'", name, text)
 
     # --- copies ------------------------------------------------------------------------------
 
