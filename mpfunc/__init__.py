@@ -23,6 +23,7 @@ per-leaf hyperparameters, checkpoints and data parallelism. Import only from
 import importlib.metadata as _metadata
 
 from mpfunc.backends._diagnostics import UpdateStats, init_stats
+from mpfunc.backends._xla_watch import HostReadWarning, PendingGraphWarning
 from mpfunc.checkpoint._file import load, load_, save
 from mpfunc.checkpoint._state_dict import (
     load_state_dict,
@@ -36,7 +37,7 @@ from mpfunc.core._consumed_grad import ConsumedGrad
 from mpfunc.core._optimizer import Optimizer
 from mpfunc.optim._adam import AdamState, adam, adamw
 from mpfunc.optim._lion import LionState, lion
-from mpfunc.optim._master_optimizer import MasterOptimizer
+from mpfunc.optim._master_optimizer import MasterOptimizer, NoGradWarning
 from mpfunc.optim._migrate import from_torch_optim, frozen
 from mpfunc.optim._sgd import SGDState, sgd
 from mpfunc.optim._torch_optim import TorchOptimizerState, torch_optimizer
@@ -71,10 +72,13 @@ __all__ = [
     "AdamState",
     "ConsumedGrad",
     "DynamicLossScale",
+    "HostReadWarning",
     "KahanMaster",
     "LionState",
     "MasterOptimizer",
+    "NoGradWarning",
     "Optimizer",
+    "PendingGraphWarning",
     "Policy",
     "Q4State",
     "QState",
