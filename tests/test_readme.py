@@ -19,6 +19,8 @@ import pytest
 import torch
 from support import readme
 
+import mpfunc
+
 # --- the tests -------------------------------------------------------------------------------
 
 ALL = readme.blocks(readme.README.read_text())
@@ -44,10 +46,19 @@ def test_readme_block_runs(
         _run_distributed(block, tmp_path)
         return
     ns = readme.namespace(block.marker)
-    before = {n: t.clone() for n, t in ns["masters"].items()} if "masters" in ns else None
+    before = (
+        {n: t.clone() for n, t in ns["masters"].items() if isinstance(t, torch.Tensor)}
+        if "masters" in ns
+        else None
+    )
     readme.run_block(block, ns)
-    if before is not None and "apply_update_(" in block.code:  # a step trained something
-        assert any(not torch.equal(before[n], m) for n, m in ns["masters"].items())
+    if before and "apply_update_(" in block.code:  # a step trained something
+        assert any(not torch.equal(t, ns["masters"][n]) for n, t in before.items())
+    if "masters_from_remainders(" in block.code:  # the exact masters, every one of them
+        want = mpfunc.masters_state_dict(ns["masters"])
+        assert want and sorted(ns["fp32"]) == sorted(want)
+        assert all(torch.equal(ns["fp32"][k].view(torch.int32), v.view(torch.int32))
+                   for k, v in want.items())  # fmt: skip
 
 
 _DIST = """

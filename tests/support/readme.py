@@ -10,6 +10,10 @@ built here at a tiny size:
   the rendered page), ``<!-- readme-test: uses masters, state, params -->``: the
   names of ``CONTEXT`` below (a snippet from the middle of a loop).
 
+``<!-- readme-test: uses masters, model; strategy remainder -->`` makes the masters
+(and their state) with that strategy instead of ``"fp32"`` (a block about
+``"remainder"`` masters would otherwise run on a tree that has none, and check nothing).
+
 Other markers: ``<!-- readme-test: distributed uses ... -->`` runs the block in a
 subprocess that has joined a one-rank gloo group (``rank``, ``world_size`` given);
 ``<!-- readme-test: skip REASON -->`` leaves a deliberately partial block out (the
@@ -85,9 +89,10 @@ def _reader() -> dict[str, Any]:
     }
 
 
-def _context() -> dict[str, Any]:
-    """A training loop in mid-step: a bf16 model after a backward, its masters, an AdamW
-    state, a loss scale, an lr tensor, and an fp32 copy of the model."""
+def _context(strategy: str = "fp32") -> dict[str, Any]:
+    """A training loop in mid-step: a bf16 model after a backward, its masters (of
+    ``strategy``), an AdamW state, a loss scale, an lr tensor, and an fp32 copy of the
+    model."""
     import mpfunc
 
     torch.manual_seed(0)
@@ -95,7 +100,7 @@ def _context() -> dict[str, Any]:
     params = dict(model.named_parameters())
     lr = torch.tensor(1e-3)
     opt = mpfunc.adamw(lr=lr, weight_decay=0.1)
-    masters = mpfunc.init_master(params)
+    masters = mpfunc.init_master(params, strategy=strategy)
     x, y = _loader()[0]
     model(x.to(torch.bfloat16)).float().sum().backward()  # .grad tensors exist ...
     model.zero_grad(set_to_none=False)  # ... and hold zeros, so `grads` sees later backwards
@@ -122,7 +127,7 @@ CONTEXT += ["model", "no_decay", "opt", "params", "scaler", "state"]  # (sorted)
 
 
 def _uses(marker: str) -> list[str]:
-    m = re.search(r"\buses\s+(.*)", marker)
+    m = re.search(r"\buses\s+([^;]*)", marker)
     names = [n.strip() for n in m.group(1).split(",")] if m else []
     unknown = [n for n in names if n not in CONTEXT]
     assert not unknown, f"readme-test marker: unknown placeholders {unknown}; known: {CONTEXT}"
@@ -131,7 +136,8 @@ def _uses(marker: str) -> list[str]:
 
 def namespace(marker: str) -> dict[str, Any]:
     ns: dict[str, Any] = {"__name__": "__readme__", **_reader()}
-    context = _context()
+    strategy = re.search(r"\bstrategy\s+(\w+)", marker)
+    context = _context(strategy.group(1) if strategy else "fp32")
     ns.update({n: context[n] for n in _uses(marker)})
     return ns
 
