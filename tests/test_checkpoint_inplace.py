@@ -168,3 +168,25 @@ def test_kinds_without_plain_values_are_refused() -> None:
     meta = {"a": torch.zeros(3, device="meta")}
     with pytest.raises(ValueError, match=r"'a': the tree's leaf must be a tensor with data"):
         mpfunc.load_state_dict(meta, {"a": torch.ones(3)})
+
+
+def test_interleaved_leaves_sharing_no_element_load_in_place(tmp_path: Any) -> None:
+    """Column slices of one buffer (x[:, :8], x[:, 8:]): their byte ranges interleave, their
+    elements do not. The step and save took them, but load_ and load_state_dict_ refused
+    them as leaves that 'would overwrite' each other, so such a run could not resume in
+    place. They load now; interleaved slices that do share elements, a row crossing a
+    column, are still refused; and a saved value interleaved with a leaf it is read after
+    is copied aside first (the swapped columns come back swapped)."""
+    buf = torch.arange(128.0).reshape(8, 16)
+    tree = {"a": buf[:, :8], "b": buf[:, 8:]}
+    sd = {"a": torch.full((8, 8), 1.0), "b": torch.full((8, 8), 2.0)}
+    mpfunc.save(tmp_path / "cols.pt", sd)
+    mpfunc.load_(tmp_path / "cols.pt", tree)
+    assert torch.equal(buf[:, :8], sd["a"]) and torch.equal(buf[:, 8:], sd["b"])
+    mpfunc.load_state_dict_(tree, {"a": buf[:, 8:], "b": buf[:, :8]})  # its own columns, swapped
+    assert torch.equal(buf[:, :8], sd["b"]) and torch.equal(buf[:, 8:], sd["a"])
+    crossing = {"a": buf[2], "b": buf[:, 3]}
+    snap = snapshot(crossing)
+    with pytest.raises(ValueError, match=r"'[ab]' and '[ab]' share memory"):
+        mpfunc.load_state_dict_(crossing, {"a": torch.zeros(16), "b": torch.zeros(8)})
+    assert_unchanged(crossing, snap)

@@ -292,20 +292,20 @@ def _write_into(
         if why is not None:
             problems.append(f"{k!r}: expected {why[0]}, got {why[1]} (freed or shrunk)")
     # Two leaves overlapping in memory would overwrite each other: allowed only for one
-    # tensor appearing twice (tied) whose two saved values are the same bits.
+    # tensor appearing twice (tied) whose two saved values are the same bits. Leaves whose
+    # byte ranges interleave without a common element (x[:, :8], x[:, 8:]) are two.
     direct = sorted(
         (*_extent(t), i)
         for i, (_, t, _) in enumerate(pairs)
         if t.device.type in _DIRECT and t.numel() > 0
     )
-    widest: tuple[int, int, int] | None = None  # the interval reaching furthest so far
+    open_: list[tuple[int, int, int]] = []  # the intervals still open at each start
     for start, end, i in direct:
-        if widest is not None and start < widest[1]:
-            j = widest[2]
+        open_ = [o for o in open_ if o[1] > start]
+        for _, _, j in open_:
             if pairs[i][1].device == pairs[j][1].device:
                 problems += _tied(pairs[j], pairs[i])
-        if widest is None or end > widest[1]:
-            widest = (start, end, i)
+        open_.append((start, end, i))
     first: dict[int, int] = {}  # elsewhere (XLA), only the same object twice is seen
     for i, (_, t, _) in enumerate(pairs):
         if t.device.type not in _DIRECT:
@@ -315,15 +315,17 @@ def _write_into(
     if problems:
         raise ValueError(f"{fn}: cannot write into the tree: {'; '.join(problems[:20])}")
     # A value in memory that another leaf occupies would change before it is read: copy
-    # it aside first. (The leaves do not overlap now, so their ends are sorted too.)
+    # it aside first. (Leaves that share no element may still interleave: then the ends
+    # are not sorted, and every range is looked at.)
     ends = [end for _, end, _ in direct]
+    sorted_ends = all(a <= b for a, b in zip(ends, ends[1:]))
     sources = []
     for _, t, v in pairs:
         if v.device.type in _DIRECT and v.numel() > 0 and not _same_view(t, v):
             lo, hi = _extent(v)
-            pos = bisect.bisect_right(ends, lo)
+            pos = bisect.bisect_right(ends, lo) if sorted_ends else 0
             while pos < len(direct) and direct[pos][0] < hi:
-                if pairs[direct[pos][2]][1].device == v.device:
+                if direct[pos][1] > lo and pairs[direct[pos][2]][1].device == v.device:
                     v = v.clone()
                     break
                 pos += 1
@@ -338,6 +340,8 @@ def _tied(
 ) -> list[str]:
     """The problem with two leaves that share memory, if any."""
     if not _same_view(a[1], b[1]):
+        if _checks.share_elements(a[1], b[1]) is False:
+            return []  # interleaved, no element in common: two tensors
         return [f"{a[0]!r} and {b[0]!r} share memory: one would overwrite the other"]
     if not torch.equal(_bits(a[2]), _bits(b[2])):
         return [f"{a[0]!r} and {b[0]!r} are one tensor, but their saved values differ"]
@@ -444,8 +448,11 @@ def remainders_state_dict(masters: Any) -> dict[str, torch.Tensor]:
     names with ``"#ties"`` appended (the tie bits) and the names with ``"#param_crc32"``
     appended: a 0-d int64 CRC-32 of the bf16 param the remainder belongs to, by which
     ``masters_from_remainders`` refuses a sidecar saved at another step than the params
-    (none for a DTensor param, whose shards differ by rank). Saving it reads each param
-    to the host once.
+    (none for a DTensor param, whose shards differ by rank). The CRCs tell steps apart
+    only where a param's bf16 bits moved: a sidecar of a step after which no param of the
+    model changed a bit (updates under half a bf16 ulp everywhere) is taken, and rebuilds
+    that step's masters. Save the two files together. Saving it reads each param to the
+    host once.
     """
     side, _ = _strategy.master_leaves("remainders_state_dict", "masters", masters)
     keys = _tree.leaf_paths(masters, units=True)

@@ -964,7 +964,7 @@ def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
         start, _, _, _, is_written, t = cur
         open_ = [o for o in open_ if o[1] > start]
         for o in open_:
-            if (o[4] or is_written) and _share_elements(o[5], t) is not False:
+            if (o[4] or is_written) and share_elements(o[5], t) is not False:
                 _alias(fn, sides, o[2:4], cur[2:4])
         open_.append(cur)
 
@@ -980,7 +980,7 @@ def _byte_starts(t: torch.Tensor) -> torch.Tensor:
     return offsets.reshape(-1) * t.element_size() + t.data_ptr()
 
 
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+def share_elements(a: torch.Tensor, b: torch.Tensor) -> bool | None:
     """Whether two tensors whose byte ranges overlap touch a common byte; ``None`` when
     they are too large to compare element by element (taken as sharing)."""
     if a.numel() + b.numel() > _EXACT_LIMIT:
