@@ -318,7 +318,7 @@ def _write_into(
     # it aside first. (Leaves that share no element may still interleave: then the ends
     # are not sorted, and every range is looked at.)
     ends = [end for _, end, _ in direct]
-    sorted_ends = all(a <= b for a, b in zip(ends, ends[1:]))
+    sorted_ends = ends == sorted(ends)
     sources = []
     for _, t, v in pairs:
         if v.device.type in _DIRECT and v.numel() > 0 and not _same_view(t, v):
