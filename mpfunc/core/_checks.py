@@ -14,6 +14,7 @@ leaves every tensor as it was.
 
 from __future__ import annotations
 
+import heapq
 import math
 import numbers
 from collections.abc import Callable, Hashable, Sequence
@@ -957,19 +958,28 @@ def _sweep(fn: str, written: Sequence[Side], read: Sequence[Side]) -> None:
             start, end = _span(t)
             spans.append((start, end, s, i, is_written, t))
     spans.sort(key=lambda x: x[:5])
-    # The ranges still open at each start; a pair with a write among them overlaps if they
-    # share an element (interleaved views of one buffer, as x[:, 0] and x[:, 1], do not).
-    open_: list[tuple[int, int, int, int, bool, torch.Tensor]] = []
-    for cur in spans:
-        start, _, _, _, is_written, t = cur
-        open_ = [o for o in open_ if o[1] > start]
-        for o in open_:
-            if (o[4] or is_written) and share_elements(o[5], t) is not False:
-                _alias(fn, sides, o[2:4], cur[2:4])
-        open_.append(cur)
+    # The ranges still open at each start (heaps by end: written ones, read-only ones); a
+    # pair with a write among them overlaps if they share an element (interleaved views of
+    # one buffer, as x[:, 0] and x[:, 1], do not). Past _PAIRS_LIMIT element comparisons in
+    # one call, an overlap of ranges counts as sharing (a bounded sweep).
+    open_w: list[tuple[int, int]] = []
+    open_r: list[tuple[int, int]] = []
+    compared = 0
+    for k, cur in enumerate(spans):
+        start, end, _, _, is_written, t = cur
+        for heap in (open_w, open_r):
+            while heap and heap[0][0] <= start:
+                heapq.heappop(heap)
+        for _, o in (*open_w, *open_r) if is_written else open_w:
+            other = spans[o]
+            compared += 1
+            if compared > _PAIRS_LIMIT or share_elements(other[5], t) is not False:
+                _alias(fn, sides, other[2:4], cur[2:4])
+        heapq.heappush(open_w if is_written else open_r, (end, k))
 
 
 _EXACT_LIMIT = 1 << 23  # elements of two tensors compared address by address
+_PAIRS_LIMIT = 1024  # pairs of overlapping ranges compared in one call
 
 
 def _byte_starts(t: torch.Tensor) -> torch.Tensor:
