@@ -123,17 +123,29 @@ def test_clip_matches_torch(device: torch.device) -> None:
         assert total.shape == () and total.dtype == ref_total.dtype
         if any(g is not None for g in leaves(grads)):  # else there is no device to be on
             assert total.device == device
-        if device.type == "cpu":
+        # Grads of several dtypes: torch may stack the groups' norms in another order than
+        # mpfunc does (torch 2.4 always, 2.9 at times), a last-bit difference in the norm.
+        mixed = len({g.dtype for g in leaves(grads_cpu) if g is not None}) > 1
+        if device.type == "cpu" and not mixed:
             assert_bits_equal(total, ref_total)
         else:
             assert_close_rel(total, ref_total, XLA_RTOL)
-        for c, r in zip(leaves(clipped), ref):
+        for c, r, g0 in zip(leaves(clipped), ref, leaves(grads_cpu)):
             if r is None:
                 assert c is None
                 continue
             assert c.dtype == r.dtype and c.shape == r.shape and c.device == device
-            ulp = torch.finfo(c.dtype).eps  # a last-bit difference in the coefficient shows
-            if device.type != "cpu":  # as one of the grad's own dtype
+            # A last-bit difference in the coefficient shows as up to two ulps of the
+            # grad's own dtype (its ulp is 2**-8 to 2**-7 of the value for bf16).
+            ulp = 2 * torch.finfo(c.dtype).eps
+            if isinstance(max_norm, torch.Tensor) and c.dtype in (torch.bfloat16, torch.float16):
+                # torch reads a tensor max_norm as a float, and a float divides in the norm's
+                # dtype: with half-precision grads its coefficient is rounded to that dtype
+                # (fp16's subnormal ones are 1% coarse). mpfunc divides in fp32, on the device:
+                # within two ulps of the exactly rounded product, from its own norm.
+                coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
+                assert_close_rel(c, (g0.double() * coef).to(c.dtype), ulp)
+            elif device.type != "cpu" or mixed:
                 assert_close_rel(c, r, max(XLA_RTOL, ulp))
             elif isinstance(max_norm, torch.Tensor):
                 assert_close_rel(c, r, max(TENSOR_MAX_NORM_RTOL, ulp))

@@ -102,11 +102,20 @@ def clip_by_global_norm(g32: Any, max_norm: float | torch.Tensor) -> tuple[Any, 
         for (device, _, _), idx in groups.items():
             assert isinstance(device, torch.device)
             group = [leaves[i] for i in idx]
-            scaled = torch._foreach_mul(_dtensor.locals_(group), coef.to(device))
+            local = _dtensor.locals_(group)
+            c = coef.to(device)
+            scaled = list(torch._foreach_mul(local, c))
+            # A 0-d grad times the 0-d coefficient promotes to the coefficient's dtype: those
+            # are scaled as the in-place twin (and torch's clip) scales them, in place on a
+            # copy, which keeps the grad's dtype and rounds as it does.
+            promoted = [k for k, (g, t) in enumerate(zip(local, scaled)) if t.dtype != g.dtype]
+            if promoted:
+                copies = [local[k].clone() for k in promoted]
+                torch._foreach_mul_(copies, c)
+                for k, t in zip(promoted, copies):
+                    scaled[k] = t
             for i, g, t in zip(idx, group, scaled):
-                # A 0-d grad times the 0-d coefficient promotes to the coefficient's dtype;
-                # back to the grad's, as the in-place twin's (and torch's) mul_ keeps it.
-                out[i] = _dtensor.wrap_like(g, t if t.dtype == g.dtype else t.to(g.dtype))
+                out[i] = _dtensor.wrap_like(g, t)
     return _tree.unflatten(spec, out), total
 
 
