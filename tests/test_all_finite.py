@@ -90,3 +90,14 @@ def test_all_finite_single_special_value(device: torch.device, value: float, dty
 def test_all_finite_device_when_floating_leaves_are_empty(xla_device: torch.device) -> None:
     flag = mpfunc.all_finite({"w": torch.zeros(0, device=xla_device)})
     assert flag.device == xla_device
+
+
+@pytest.mark.parametrize("value", [complex(float("nan"), 0), complex(0, float("inf")), 1 + 2j])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_leaves_are_checked_in_both_parts(value: complex, dtype: Any) -> None:
+    """A complex leaf holding NaN or inf counted as finite (as a non-floating leaf), so a
+    skip=~all_finite(...) guard let it through."""
+    t = torch.zeros(3, dtype=dtype)
+    t[1] = value
+    got = bool(mpfunc.all_finite({"c": t, "f": torch.ones(2)}))
+    assert got == bool(torch.isfinite(t).all())

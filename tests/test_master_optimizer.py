@@ -1335,3 +1335,19 @@ def test_a_model_converted_mid_run_keeps_its_masters() -> None:
                                          rf"'masters\.0' \(param {name}\): expected a "
                                          r"RemainderMaster"):  # fmt: skip
         opt2.step()
+
+
+def test_torch_optimizer_refuses_what_its_step_cannot_take_and_keeps_grads() -> None:
+    """torch_optimizer(LBFGS) (its step needs a closure) or SparseAdam (sparse grads) failed
+    inside the step, after a partition's other labels had written their masters. Refused
+    when built now. A master's own .grad is given back after the step (it was set to None)."""
+    for cls, says in ((torch.optim.LBFGS, "needs no closure, got LBFGS"),
+                      (torch.optim.SparseAdam, "dense grads, got SparseAdam")):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"^torch_optimizer: cls: expected .*{says}"):
+            mpfunc.torch_optimizer(cls, lr=0.1)
+    m = {"w": torch.ones(3)}
+    own = torch.full((3,), 7.0)
+    m["w"].grad = own
+    opt = mpfunc.torch_optimizer(torch.optim.RMSprop, lr=0.1)
+    mpfunc.apply_update_(m, {"w": torch.ones(3)}, opt.init(m), opt)
+    assert m["w"].grad is own

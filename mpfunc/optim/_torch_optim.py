@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -50,6 +51,19 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
     fn = "torch_optimizer"
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"{fn}: cls: expected a torch.optim.Optimizer subclass, got {cls!r}")
+    # Refused here, not in the step: a partition would have written its other labels' masters
+    # by the time torch raised (LBFGS's step needs a closure; SparseAdam, sparse grads).
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"{fn}: cls: expected an optimizer whose step() needs no closure, got "
+            f"{cls.__name__} (it re-evaluates the model inside step): step it with torch.optim"
+        )
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise TypeError(
+            f"{fn}: cls: expected an optimizer of dense grads, got SparseAdam (sparse grads "
+            "only; mpfunc's grads are dense): use torch.optim.SparseAdam directly"
+        )
 
     def init(masters: Any) -> TorchOptimizerState:
         side, _ = _checks.tensor_leaves(f"{fn}.init", "masters", masters)
@@ -101,10 +115,11 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
 def _lend_grads_and_step(group: Group, _: Any) -> None:
     """The kernel: lend the grads as ``.grad`` (``None`` where a leaf took none, which
     torch.optim skips), call ``step()``, and take them back."""
+    held = [m.grad for m in group.params]  # a master's own .grad is given back after
     try:
         for m, g in zip(group.params, group.grads):
             m.grad = g
         group.state.optimizer.step()
     finally:
-        for m in group.params:
-            m.grad = None
+        for m, h in zip(group.params, held):
+            m.grad = h

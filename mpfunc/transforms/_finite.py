@@ -21,8 +21,8 @@ def all_finite(tree: Any) -> torch.Tensor:
     NaN for a NaN, and unlike a 2-norm it cannot overflow on large finite values,
     and it allocates nothing model-sized. On XLA, whose max reduction drops NaN,
     ``isfinite(t).all()`` per tensor, which fuses into the step's graph.
-    Non-floating leaves and ``None`` count as finite; so does an empty tree (then
-    the flag lives on the CPU).
+    Complex leaves are checked in both parts. Integer and bool leaves and ``None``
+    count as finite; so does an empty tree (then the flag lives on the CPU).
 
     Args:
       tree: a tree of tensors or ``None``.
@@ -40,6 +40,9 @@ def all_finite(tree: Any) -> torch.Tensor:
       masters, state = mpfunc.apply_update_(masters, g32, state, opt, skip=~finite)
     """
     leaves = _checks.tensor_leaves("all_finite", "tree", tree)[0].leaves
+    # A complex leaf is finite where both its parts are: checked as its real view (it
+    # counted as finite, NaN and all, as a non-floating leaf does).
+    leaves = [torch.view_as_real(t) if t is not None and t.is_complex() else t for t in leaves]
     keys: list[tuple[object, ...] | None] = [
         (t.device, t.dtype, _dtensor.sharding_key(t))
         if t is not None and t.is_floating_point() and t.numel()
@@ -56,8 +59,6 @@ def all_finite(tree: Any) -> torch.Tensor:
             flags.append(torch.stack([torch.isfinite(t).all() for t in group]).all())
         else:
             norms = torch._foreach_norm(group, float("inf"))
-            # isfinite in each leaf's own dtype: a finite float64 above 3.4e38 would
-            # become inf if cast to float32 first.
             # One group shares one dtype: isfinite in that dtype, never after a cast
             # (a finite float64 above 3.4e38 would become inf in float32).
             flags.append(torch.stack(norms).isfinite().all())
