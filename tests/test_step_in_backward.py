@@ -809,6 +809,10 @@ def test_a_value_set_between_backward_and_step_is_refused() -> None:
     loss_of(net, 1).backward()  # the next step: the new lr, no error
     opt.step()
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, net.parameters()))
+    # A group added between the backward and step() changed no value the hooks read.
+    loss_of(net, 2).backward()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(40, dtype=torch.bfloat16))]})
+    opt.step()
 
 
 def test_a_refused_add_param_group_adds_nothing() -> None:

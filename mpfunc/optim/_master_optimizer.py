@@ -828,6 +828,11 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._master_versions = [_version(m) for m in self._masters]
         return loss
 
+    def _group_values(self) -> list[tuple[Any, ...]]:
+        """Each group's hyperparameters as ``_build`` tells them apart (``_freeze``), to
+        notice a change between the backward and ``step()`` (step_in_backward=True)."""
+        return [tuple(_freeze(g[k]) for k in self._keys) for g in self.param_groups]
+
     def _named(self, text: str) -> str:
         """An error of the step's tree call with each leaf path ``'masters.5'`` (also
         ``params``, ``grads``) followed by the param's name."""

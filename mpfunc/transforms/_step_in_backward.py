@@ -512,7 +512,7 @@ def optimizer_leaf(opt: Any, j: int, p: torch.Tensor) -> None:
         opt._round_written_masters()
         opt._resync()
         hooks.begun = True
-        hooks.values = group_values(opt)
+        hooks.values = opt._group_values()
     if opt._masters[j] is None:
         opt._adopt(j)  # frozen when added, trained now: state made as at a first step
     label = opt._labels[j]
@@ -556,29 +556,24 @@ def optimizer_step(opt: Any, skip: torch.Tensor | None) -> None:
     for j in late:  # a grad written by hand, from a nested backward, or outside the hooks' reach
         if opt._params[j].is_floating_point():
             optimizer_leaf(opt, j, opt._params[j])
-    used, now = hooks.values, group_values(opt)
+    used = hooks.values
     hooks.end()
-    if used is not None and used != now:
-        # A value set between the backward and step() (a warm-up written there, a
-        # scheduler stepped before the optimizer): the ordinary step would use it.
-        i, k, old, new = next(
-            (i, k, a, b)
-            for i, (g_old, g_new) in enumerate(zip(used, now))
-            for k, a, b in zip(opt._keys, g_old, g_new)
-            if a != b
-        )
+    if used is None:
+        return
+    # A value set between the backward and step() (a warm-up written there, a scheduler
+    # stepped before the optimizer): the ordinary step would use it. (A group added since
+    # stepped its leaves above, with its own values.)
+    changed = [
+        (i, k, a, b)
+        for i, (g_old, g_new) in enumerate(zip(used, opt._group_values()))
+        for k, a, b in zip(opt._keys, g_old, g_new)
+        if a != b
+    ]
+    if changed:
+        i, k, old, new = changed[0]
         raise RuntimeError(
             f"{_OPT}.step: param_groups[{i}][{k!r}] changed after the backward began "
             f"({old!r} -> {new!r}), but {WHOLE_TREE}: this step used {old!r}. Set the "
             "values before the backward (scheduler.step() after opt.step(), as torch "
             "expects), or build the optimizer without step_in_backward"
         )
-
-
-def group_values(opt: Any) -> list[tuple[Any, ...]]:
-    """Each group's hyperparameters as the step reads them (a tensor by identity: its
-    value is read on the device)."""
-    return [
-        tuple(id(v) if isinstance(v, torch.Tensor) else v for v in (g[k] for k in opt._keys))
-        for g in opt.param_groups
-    ]
