@@ -90,7 +90,6 @@ def record(
         same = now[i] == before[i]
         s.unchanged.copy_(_mean(same))
         # Of the elements that had an update, those whose param did not move (none
-        # updated, as in a skipped step: 0, nothing swallowed).
-        moved = (u != 0).sum()
-        lost = (same & (u != 0)).sum()
-        s.swallowed.copy_(torch.where(moved > 0, lost / moved.clamp(min=1), 0.0))
+        # updated, as in a skipped step: 0 of 0, read as 0).
+        updated = u != 0
+        s.swallowed.copy_((same & updated).sum() / updated.sum().clamp(min=1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import heapq
 import json
 import zlib
 from collections.abc import Mapping
@@ -299,13 +300,14 @@ def _write_into(
         for i, (_, t, _) in enumerate(pairs)
         if t.device.type in _DIRECT and t.numel() > 0
     )
-    open_: list[tuple[int, int, int]] = []  # the intervals still open at each start
+    open_: list[tuple[int, int]] = []  # (end, index): a heap of the intervals still open
     for start, end, i in direct:
-        open_ = [o for o in open_ if o[1] > start]
-        for _, _, j in open_:
+        while open_ and open_[0][0] <= start:
+            heapq.heappop(open_)
+        for _, j in open_:
             if pairs[i][1].device == pairs[j][1].device:
                 problems += _tied(pairs[j], pairs[i])
-        open_.append((start, end, i))
+        heapq.heappush(open_, (end, i))
     first: dict[int, int] = {}  # elsewhere (XLA), only the same object twice is seen
     for i, (_, t, _) in enumerate(pairs):
         if t.device.type not in _DIRECT:
