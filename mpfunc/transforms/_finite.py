@@ -40,19 +40,20 @@ def all_finite(tree: Any) -> torch.Tensor:
       masters, state = mpfunc.apply_update_(masters, g32, state, opt, skip=~finite)
     """
     leaves = _checks.tensor_leaves("all_finite", "tree", tree)[0].leaves
-    # A complex leaf is finite where both its parts are: checked as its real view (it
-    # counted as finite, NaN and all, as a non-floating leaf does).
-    leaves = [torch.view_as_real(t) if t is not None and t.is_complex() else t for t in leaves]
     keys: list[tuple[object, ...] | None] = [
         (t.device, t.dtype, _dtensor.sharding_key(t))
-        if t is not None and t.is_floating_point() and t.numel()
+        if t is not None and (t.is_floating_point() or t.is_complex()) and t.numel()
         else None
         for t in leaves
     ]
     flags: list[torch.Tensor] = []
-    for (device, _, _), idx in _tensors.group_indices(keys).items():
-        assert isinstance(device, torch.device)
+    for (device, dtype, _), idx in _tensors.group_indices(keys).items():
+        assert isinstance(device, torch.device) and isinstance(dtype, torch.dtype)
         group = [leaves[i] for i in idx]
+        if dtype.is_complex:
+            # Finite where both parts are, checked as the real view (a complex NaN counted
+            # as finite, as a non-floating leaf does).
+            group = [torch.view_as_real(t) for t in group]
         if _tensors.is_lazy(device):
             # XLA's max reduction does not propagate NaN, so the inf-norm would miss
             # one; isfinite(...).all() fuses into the step's graph instead.
