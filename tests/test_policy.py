@@ -260,3 +260,35 @@ def test_the_docstring_example(device: torch.device) -> None:
     logits = policy.cast_to_output(model.to(policy.compute_dtype)(x["x"]))
     sync(device)
     assert logits.dtype == torch.float32 and logits.device == device
+
+
+# torch's float8 dtypes present in this torch (2.4 has four of them).
+FLOAT8 = [
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=str)
+def test_float8_policies_print_and_parse(dtype: torch.dtype) -> None:
+    """A float8 param dtype was taken, but ``str()`` raised KeyError."""
+    policy = mpfunc.Policy(param_dtype=dtype, compute_dtype=torch.bfloat16)
+    name = str(dtype).removeprefix("torch.")
+    assert str(policy) == f"params={name},compute=bfloat16,output=float32"
+    assert mpfunc.Policy.parse(str(policy)) == policy
+
+
+@pytest.mark.parametrize("method", sorted(CASTS))
+def test_casts_keep_loss_scales_whole(device: torch.device, method: str) -> None:
+    """A loss scale in a cast tree is state, not data: its fp32 scale rounded to bf16
+    (or 2**16 to inf in fp16) changed the training silently."""
+    policy = mpfunc.Policy(torch.float16, torch.float16, torch.float16)
+    dynamic = mpfunc.DynamicLossScale(2.0**16 + 1, device=device)
+    static = mpfunc.StaticLossScale(torch.tensor(3.0e5, device=device))
+    tree = {"x": torch.ones(3, device=device), "ls": dynamic, "n": [static, None]}
+    out = getattr(policy, method)(tree)
+    assert out["x"].dtype == torch.float16
+    assert out["ls"] is dynamic and out["n"][0] is static and out["n"][1] is None
+    assert dynamic.loss_scale.dtype == torch.float32 and static.loss_scale.dtype == torch.float32
+    assert getattr(policy, method)(dynamic) is dynamic

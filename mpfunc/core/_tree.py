@@ -65,17 +65,21 @@ def _too_deep() -> ValueError:
     )
 
 
-def map_tensors(fn: Any, tree: Any) -> Any:
-    """Applies ``fn`` to every tensor leaf; other leaves (``None``) are kept."""
+def map_tensors(fn: Any, tree: Any, *, kept: tuple[type, ...] = ()) -> Any:
+    """Applies ``fn`` to every tensor leaf; other leaves (``None``) are kept, and so are
+    nodes of the types ``kept``, whole."""
+    is_leaf = (lambda x: isinstance(x, kept)) if kept else None
+
+    def one(t: Any) -> Any:
+        return fn(t) if isinstance(t, torch.Tensor) else t
+
     if compiling():
-        leaves, spec = flatten(tree)
-        return unflatten(spec, [fn(t) if isinstance(t, torch.Tensor) else t for t in leaves])
+        leaves: list[Any] = []
+        spec = _walk(tree, is_leaf, leaves)
+        return unflatten(spec, [one(t) for t in leaves])
     try:
         return optree.tree_map(
-            lambda t: fn(t) if isinstance(t, torch.Tensor) else t,
-            tree,
-            none_is_leaf=_NONE_IS_LEAF,
-            namespace=NAMESPACE,
+            one, tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE
         )
     except RecursionError as e:
         raise _too_deep() from e

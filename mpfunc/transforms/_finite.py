@@ -21,7 +21,8 @@ def all_finite(tree: Any) -> torch.Tensor:
     NaN for a NaN, and unlike a 2-norm it cannot overflow on large finite values,
     and it allocates nothing model-sized. On XLA, whose max reduction drops NaN,
     ``isfinite(t).all()`` per tensor, which fuses into the step's graph.
-    Complex leaves are checked in both parts. Integer and bool leaves and ``None``
+    Complex leaves are checked in both parts, float8 leaves widened to float32 a leaf at
+    a time. Integer and bool leaves and ``None``
     count as finite; so does an empty tree (then the flag lives on the CPU).
 
     Args:
@@ -54,7 +55,11 @@ def all_finite(tree: Any) -> torch.Tensor:
             # Finite where both parts are, checked as the real view (a complex NaN counted
             # as finite, as a non-floating leaf does).
             group = [torch.view_as_real(t) for t in group]
-        if _tensors.is_lazy(device):
+        if dtype.itemsize == 1:
+            # float8 (torch implements neither the norm nor isfinite for most of them):
+            # widened to float32, exactly, a leaf at a time.
+            flags.append(torch.stack([torch.isfinite(t.float()).all() for t in group]).all())
+        elif _tensors.is_lazy(device):
             # XLA's max reduction does not propagate NaN, so the inf-norm would miss
             # one; isfinite(...).all() fuses into the step's graph instead.
             flags.append(torch.stack([torch.isfinite(t).all() for t in group]).all())

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from mpfunc.core import _tree
+from mpfunc.transforms._loss_scale import DynamicLossScale, StaticLossScale
 
 __all__ = ["Policy"]
 
@@ -44,17 +45,30 @@ _CANONICAL = {
 }
 
 
+# Nodes a cast passes through whole: a loss scale's fp32 scale is state, not data (in bf16
+# it would round; 2**16 in fp16 is inf).
+_KEPT = (StaticLossScale, DynamicLossScale)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _CANONICAL.get(dtype) or str(dtype).removeprefix("torch.")
+
+
 def _cast(tree: Any, dtype: torch.dtype) -> Any:
-    """Casts floating tensors to ``dtype``; everything else passes through as is."""
-    return _tree.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+    """Casts floating tensors to ``dtype``; everything else (loss scales included) passes
+    through as is."""
+    return _tree.map_tensors(
+        lambda t: t.to(dtype) if t.is_floating_point() else t, tree, kept=_KEPT
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A mixed-precision policy: the dtypes of params, of computation, and of outputs.
 
-    Casts touch only floating-point tensors; int and bool tensors, ``None`` and
-    non-tensor leaves pass through unchanged.
+    Casts touch only floating-point tensors; int and bool tensors, ``None``, non-tensor
+    leaves and loss scales (``StaticLossScale``, ``DynamicLossScale``: their fp32 scale is
+    state, not data) pass through unchanged.
 
     Example::
 
@@ -79,7 +93,7 @@ class Policy:
 
         Keys: params (p), compute (c), output (o); omitted keys are float32. Dtype
         names: float32/fp32/f32/float, bfloat16/bf16, float16/fp16/f16/half,
-        float64/fp64/f64/double.
+        float64/fp64/f64/double, and torch's float8 names (float8_e4m3fn, ...).
 
         Raises:
           ValueError: an unknown key or dtype name (the message lists the valid
@@ -98,6 +112,9 @@ class Policy:
                     f"Policy.parse: unknown key {key!r}; expected one of {', '.join(_FIELDS)}"
                 )
             dtype = _DTYPES.get(name.lower())
+            if dtype is None and name.lower().startswith("float8"):
+                found = getattr(torch, name.lower(), None)
+                dtype = found if isinstance(found, torch.dtype) else None
             if dtype is None:
                 raise ValueError(
                     f"Policy.parse: unknown dtype {name!r} for {key}; expected one of "
@@ -110,8 +127,8 @@ class Policy:
 
     def __str__(self) -> str:
         return (
-            f"params={_CANONICAL[self.param_dtype]},compute={_CANONICAL[self.compute_dtype]},"
-            f"output={_CANONICAL[self.output_dtype]}"
+            f"params={_name(self.param_dtype)},compute={_name(self.compute_dtype)},"
+            f"output={_name(self.output_dtype)}"
         )
 
     def cast_to_param(self, tree: Any) -> Any:

@@ -15,7 +15,7 @@ from mpfunc.core import _tree
 RTOL = 1e-6
 ATOL_PER_LR = 1e-6
 
-_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def settle(t: torch.Tensor) -> None:
