@@ -861,13 +861,30 @@ class MasterOptimizer(torch.optim.Optimizer):
         state = dict(self.__dict__)
         state["_opt"] = None
         state["_built"] = {}
+        # An LR scheduler wraps ``step`` in an instance attribute that holds a weak reference
+        # to THIS optimizer: copied, the copy's step() would step the original.
+        state.pop("step", None)
+        # Writes not yet taken up (a param written outside, a master through opt.state):
+        # the copy's tensors have fresh version counters, so they are carried as flags.
+        state["_pending"] = (
+            [p._version != v for p, v in zip(self._params, self._versions)],
+            [_version(m) != v for m, v in zip(self._masters, self._master_versions)],
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        params, masters = state.pop("_pending", ([], []))
         self.__dict__.update(state)
-        # A copy's params and masters are new tensors with their own version counters.
-        self._versions = [p._version for p in self._params]
-        self._master_versions = [_version(m) for m in self._masters]
+        # A copy's params and masters are new tensors with their own version counters; a
+        # pending write stays pending (a recorded version the counter does not hold).
+        self._versions = [p._version - bool(w) for p, w in zip(self._params, params)]
+        self._versions += [p._version for p in self._params[len(self._versions) :]]
+        self._master_versions = [
+            -1 if not isinstance(m, torch.Tensor) else m._version - bool(w)
+            for m, w in zip(self._masters, masters)
+        ]
+        self._master_versions += [_version(m) for m in self._masters[len(self._master_versions) :]]
 
     # --- step_in_backward=True ---------------------------------------------------------------
 
