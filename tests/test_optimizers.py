@@ -277,3 +277,45 @@ def test_torch_optimizer_interop_matches_torch() -> None:
     assert torch.equal(masters["b"], ref[0]) and torch.equal(masters["w"], ref[1])
     with pytest.raises(TypeError, match="in place"):
         mpfunc.apply_update(masters, g32, state, opt)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layouts=st.tuples(
+        st.sampled_from(mpfunc.testing.LAYOUTS), st.sampled_from(mpfunc.testing.GRAD_LAYOUTS)
+    ),
+    kind=st.sampled_from(["adam", "adamw", "sgd"]),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_optimizer_fused_pairs_elements_by_index(
+    layouts: tuple[str, str], kind: str, seed: int
+) -> None:
+    """torch's fused kernels pair a param's and a grad's elements by memory position: a
+    grad lent as ``.grad`` in another layout than its master's updated the wrong elements.
+    Against torch's fused step on contiguous copies, in any layout of master and grad."""
+    make = {
+        "adam": (torch.optim.Adam, {"lr": 0.1, "fused": True}),
+        "adamw": (torch.optim.AdamW, {"lr": 0.1, "fused": True}),
+        "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}),
+    }[kind]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 4, 5, generator=gen)
+    masters = {"w": mpfunc.testing.in_layout(x, layouts[0])}
+    if layouts[0] == "sliced":  # not dense: refused, nothing written
+        opt = mpfunc.torch_optimizer(make[0], **make[1])
+        state = opt.init(masters)
+        held = snapshot(masters)
+        with pytest.raises(ValueError, match=r"w': expected a dense master .* fused=True"):
+            mpfunc.apply_update_(masters, {"w": torch.ones_like(x)}, state, opt)
+        assert_unchanged(masters, held)
+        return
+    ref = [torch.nn.Parameter(x.clone())]
+    ref_opt = make[0](ref, **make[1])
+    opt = mpfunc.torch_optimizer(make[0], **make[1])
+    state = opt.init(masters)
+    for _ in range(2):
+        g = mpfunc.testing.in_layout(torch.randn(2, 3, 4, 5, generator=gen), layouts[1])
+        mpfunc.apply_update_(masters, {"w": g}, state, opt)
+        ref[0].grad = g.contiguous()  # (an expanded grad's values are its broadcast)
+        ref_opt.step()
+    torch.testing.assert_close(masters["w"], ref[0].detach(), rtol=1e-6, atol=1e-6)

@@ -100,6 +100,21 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
                     _checks.describe(g),
                     "Cast grads with grads_to_fp32 first",
                 )
+        if any(g.get("fused") for g in state.optimizer.param_groups):
+            from torch._prims_common import is_non_overlapping_and_dense
+
+            for i, m in enumerate(step.masters.leaves):
+                if m is not None and m.numel() > 1 and not is_non_overlapping_and_dense(m):
+                    _checks.fail(
+                        ValueError,
+                        where,
+                        step.masters.path(i),
+                        f"a dense master for torch_optimizer({cls.__name__}, fused=True) "
+                        "(torch's fused kernels pair elements by memory position)",
+                        f"strides {m.stride()} for shape {tuple(m.shape)}",
+                        "Make the masters with init_master (dense, in the param's layout), or "
+                        "pass fused=False",
+                    )
         if step.skip is not None:
             raise TypeError(
                 f"{where}: skip: expected None for torch_optimizer({cls.__name__}, ...), got "
@@ -112,13 +127,24 @@ def torch_optimizer(cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Optim
     return Optimizer(init=init, plan=plan, functional=False, name=f"torch.{cls.__name__}")
 
 
+def _like_master(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g``, or a copy of it in the master's memory layout where the strides differ:
+    torch's fused kernels (``fused=True``) pair a param's and a grad's elements by memory
+    position, so a transposed grad for a row-major master would update the wrong
+    elements."""
+    if g.numel() <= 1 or g.stride() == m.stride():
+        return g
+    out = torch.empty_like(m, dtype=g.dtype, memory_format=torch.preserve_format)
+    return out.copy_(g)
+
+
 def _lend_grads_and_step(group: Group, _: Any) -> None:
     """The kernel: lend the grads as ``.grad`` (``None`` where a leaf took none, which
     torch.optim skips), call ``step()``, and take them back."""
     held = [m.grad for m in group.params]  # a master's own .grad is given back after
     try:
         for m, g in zip(group.params, group.grads):
-            m.grad = g
+            m.grad = g if g is None else _like_master(m, g)
         group.state.optimizer.step()
     finally:
         for m, h in zip(group.params, held):
