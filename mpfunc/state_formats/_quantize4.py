@@ -90,6 +90,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpfunc.core import _checks
+from mpfunc.state_formats import _quantize
 
 __all__ = [
     "BLOCK",
@@ -225,7 +226,7 @@ def _encode(
     keep = ok & (xb.abs() >= _TINY)
     vals = torch.where(keep, xb, 0.0)
     if not signed:
-        vals = torch.sqrt(vals)
+        vals = _quantize.sqrt_rn(vals)
     # Finite values only: a NaN or inf marks its own element; the block keeps its precision.
     # A finite fp32 magnitude above bf16's largest (within 0.4% of fp32's largest) would
     # round the scale to inf and the block to NaN: its scale is bf16's largest instead.
