@@ -243,6 +243,11 @@ def _composed_fits(
     f = m if s is None else m.param
     if not isinstance(f, torch.Tensor) or not f.is_cpu or g.dtype not in _NATIVE_IO:
         return None
+    if f.numel() == 0:
+        # Nothing to compute (its step count still counts, on the torch path), and
+        # ``is_contiguous`` holds for any strides of an empty tensor, which the pass's own
+        # check would refuse after other groups had written.
+        return None
     if s is None:
         if f.dtype != torch.float32:
             return None
