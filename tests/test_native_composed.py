@@ -479,3 +479,24 @@ def test_zero_size_leaves_of_any_strides(strategy: str, sd: Any) -> None:
         assert float(state.step["z"]) == 2.0
         out.append((masters, state))
     assert_trees_bits_equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("sd", [None, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_param_written_to_the_other_zero(sd: Any, sign: float) -> None:
+    """The param is the truth, compared by value on every path: a param written from one
+    zero to the other keeps its master. The torch path compared bits (the master took
+    -0.0), the native pass and XLA values."""
+    out = []
+    for impl in ("auto", "fused"):
+        params = {"w": torch.full((64,), sign * 0.0, dtype=torch.bfloat16)}
+        params["w"][::3] = 0.5
+        masters = mpfunc.init_master(params)
+        opt = mpfunc.adamw(lr=1e-2, impl=impl, state_dtype=sd)
+        state = opt.init(masters)
+        with torch.no_grad():
+            params["w"].neg_()
+        grads = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+        mpfunc.apply_update_(masters, grads, state, opt, params=params)
+        out.append((masters, state, params))
+    assert_trees_bits_equal(out[0], out[1])

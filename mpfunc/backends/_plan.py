@@ -540,12 +540,16 @@ def refresh_from_params_(
         # default, which elides a downcast followed by an upcast) would see every master
         # differ from its param and overwrite it with the param's rounding. A bitcast
         # needs the rounded bits. (Not on XLA, which rounds every convert, and where
-        # torch_xla 2.9 runs ``view(dtype)`` on the host.) Both NaN counts as the same.
+        # torch_xla 2.9 runs ``view(dtype)`` on the host.) Both NaN counts as the same, and
+        # so do +0 and -0, as the native and XLA kernels compare values: a param written
+        # from +0 to -0 keeps its master.
         if is_lazy(p.device):
             same = r == p
         else:
             ints = _INT_OF_SIZE[p.element_size()]
-            same = r.view(ints) == p.view(ints)
+            ri, pi = r.view(ints), p.view(ints)
+            magnitude = (1 << (8 * p.element_size() - 1)) - 1
+            same = (ri == pi) | (((ri | pi) & magnitude) == 0)
         same = same | (r.isnan() & p.isnan())
         if skip is not None:
             same = same | skip
