@@ -128,6 +128,21 @@ def extents(t: Any, dim: int, size: int | None = None) -> list[tuple[int, int]] 
     return pieces
 
 
+def shard_index(t: Any) -> int:
+    """Which shard of the DTensor ``t`` this rank holds, as one number: 0 for a replicated
+    one; ranks holding the same shard (replicas along other mesh dims) get the same."""
+    Shard = _module().Shard  # (loaded: t is a DTensor)
+    spec = t._spec
+    coord = spec.mesh.get_coordinate()
+    if coord is None:
+        return 0
+    index = 0
+    for i, placement in enumerate(spec.placements):
+        if isinstance(placement, Shard):
+            index = index * spec.mesh.size(i) + coord[i]
+    return index
+
+
 def same_sharding(a: Any, b: Any) -> str | None:
     """``None`` if ``a`` and ``b`` pair shard for shard (both plain tensors, or DTensors on
     one mesh with one placement), else what ``b`` should have been, for an error."""

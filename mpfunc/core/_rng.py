@@ -80,6 +80,16 @@ def key_for(seed: int, index: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor(_wrap(h), dtype=torch.int32, device=device)
 
 
+def wrap(v: int) -> int:
+    """A Python int as the int32 with the same low 32 bits."""
+    return _wrap(v)
+
+
+def next_keys(keys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``advance`` makes of each key, as new tensors (the keys are not written)."""
+    return [_mix(k.add(_GOLDEN)) for k in keys]
+
+
 def advance(keys: list[torch.Tensor]) -> None:
     """Moves every key to its next value in place (a step's draws are then fresh)."""
     if not keys:

@@ -18,6 +18,8 @@ repeated call with identical inputs (``_cache``) steps 1 to 3 are remembered.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -25,12 +27,12 @@ import torch
 
 from mpfunc.backends import _xla_watch
 from mpfunc.backends._diagnostics import UpdateStats
-from mpfunc.core import _cache, _checks, _dtensor, _gc, _tree
+from mpfunc.core import _cache, _checks, _dtensor, _gc, _rng, _tree
 from mpfunc.core._checks import Like
 from mpfunc.core._compile import compiling
 from mpfunc.core._optimizer import Optimizer, Step, Work
 from mpfunc.parallel import _sharding
-from mpfunc.strategies import _strategy
+from mpfunc.strategies import _strategy, _strategy_stochastic
 from mpfunc.transforms import _loss_scale
 from mpfunc.transforms._loss_scale import ScaleArg
 
@@ -464,6 +466,53 @@ def apply_update_(
         # The call's one memory check, over the masters, params, grads and every plan's
         # state, before the first write (none when every check was remembered).
         step.sweep.run(fn)
-        _run(work)
+        with _shard_streams(step):
+            _run(work)
     _xla_watch.step_ends(begun, step.faces or [])
     return masters, state
+
+
+# An odd int32 constant (MurmurHash3's c2) that spreads shard indices over the key space.
+_SHARD_SALT = 0x1B873593
+
+
+@contextlib.contextmanager
+def _shard_streams(step: Step) -> Iterator[None]:
+    """Independent draws on each shard of a ``"stochastic"`` DTensor master (FSDP2).
+
+    A leaf's draws hash the element's index within the tensor the kernel sees, which for a
+    DTensor is the local shard: every rank drew the same bits for its element ``i``, so the
+    rounding of the ranks' shards was correlated. For the step, each sharded key is offset
+    by its shard's index (from the mesh coordinates of the dims that shard it; ranks
+    holding the same shard draw alike), and afterwards set to what the step does to a key
+    (advanced unless skipped), so the stored stream is the unsharded one's. The draws are
+    independent across shards, not those of a single-process run."""
+    salted = _salted_keys(step)
+    if not salted:
+        yield
+        return
+    keys = [k for k, _ in salted]
+    held = [k.clone() for k in keys]
+    for k, salt in salted:
+        k.add_(salt)
+    try:
+        yield
+    finally:
+        nxt = _rng.next_keys(held)
+        skip = step.skip
+        for k, old, new in zip(keys, held, nxt):
+            k.copy_(new if skip is None else torch.where(skip.to(k.device), old, new))
+
+
+def _salted_keys(step: Step) -> list[tuple[torch.Tensor, int]]:
+    cls = _dtensor.dtensor_type()
+    if cls is None or not any(k is _strategy_stochastic.STRATEGY for k in step.kinds or ()):
+        return []
+    out = []
+    for x, k, g in zip(step.masters.leaves, step.kinds or (), step.grads.leaves):
+        if k is not _strategy_stochastic.STRATEGY or g is None or not isinstance(x.param, cls):
+            continue
+        index = _dtensor.shard_index(x.param)
+        if index:
+            out.append((_dtensor.local(x.key), _rng.wrap(index * _SHARD_SALT)))
+    return out

@@ -420,7 +420,40 @@ def scenario_ties(rank: int, world: int, out: str) -> None:
     torch.save(result, f"{out}/ties-rank{rank}.pt")
 
 
+def scenario_stochastic(rank: int, world: int, out: str) -> None:
+    """ "stochastic" masters on Shard(0) DTensors: each shard draws its own bits. Rows ``i``
+    and ``i + 4`` of a param are equal, as are their grads, and land on different ranks:
+    with the same draws on every rank they stayed equal. The keys advance as unsharded
+    keys do (not on a skipped step), alike on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    half = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)) * 0.1
+    full = torch.cat([half, half]).to(torch.bfloat16)
+    keys = {}
+    for sharded in (False, True):
+
+        def wrap(t: torch.Tensor, sharded: bool = sharded) -> Any:
+            return distribute_tensor(t, mesh, [Shard(0)]) if sharded else t
+
+        params = {"w": wrap(full.clone())}
+        masters = mpfunc.init_master(params, strategy="stochastic")
+        opt = mpfunc.sgd(lr=1e-3)
+        state = opt.init(masters)
+        for i in range(12):
+            skip = torch.tensor(i == 5)
+            mpfunc.apply_update_(masters, {"w": wrap(full.clone())}, state, opt, skip=skip)
+        w = params["w"].full_tensor() if sharded else params["w"]
+        differ = int((w[:4] != w[4:]).sum())
+        if sharded:
+            assert differ > 512, differ  # independent rounding of the two halves
+        keys[sharded] = int(_raw(masters["w"].key).view(torch.int32))
+    assert keys[True] == keys[False], keys
+    torch.save({"keys": keys}, f"{out}/stochastic-rank{rank}.pt")
+
+
 if __name__ == "__main__":
     from dp_worker import main  # the same group set-up (file store, timeouts)
 
-    main({"all": scenario_all, "ties": scenario_ties})
+    main({"all": scenario_all, "ties": scenario_ties, "stochastic": scenario_stochastic})
