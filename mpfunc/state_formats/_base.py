@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.core import _checks, _rng
+from mpfunc.core import _checks, _dtensor, _rng
 
 __all__ = ["Problem", "StateFormat", "encoded_all_right", "keys", "whole_blocks"]
 
@@ -144,7 +144,19 @@ def whole_blocks(fn: str, side: _checks.Side, faces: list[Any], block: int, key:
     ``partition`` with the optimizer ``fn`` belongs to (``"lion.init"``: ``mpfunc.lion``),
     before anything is made."""
     name = fn.split(".", 1)[0] if fn.endswith(".init") else "adamw"
+    cls = _dtensor.dtensor_type()
     for i, f in enumerate(faces):
+        if cls is not None and isinstance(f, cls):
+            # Codes and block scales follow the element index of a whole tensor: a shard's
+            # blocks would need the shard's own layout (not built), and the plain full-size
+            # state it got failed inside the step, after writes.
+            _checks.fail(
+                TypeError, fn, side.path(i),
+                f"a plain tensor for state_dtype={key}",
+                _dtensor.describe_sharding(f),
+                "Encoded moments of DTensor (FSDP2) shards are not supported: use "
+                "state_dtype=torch.bfloat16 or None for them (mpfunc.partition can mix)",
+            )  # fmt: skip
         if f is not None and f.numel() < block:
             _checks.fail(
                 ValueError, fn, side.path(i),

@@ -450,6 +450,17 @@ def scenario_stochastic(rank: int, world: int, out: str) -> None:
             assert differ > 512, differ  # independent rounding of the two halves
         keys[sharded] = int(_raw(masters["w"].key).view(torch.int32))
     assert keys[True] == keys[False], keys
+    # Encoded moments of shards are refused at init, naming the leaf (they were made
+    # full-size and plain, and the step failed after writing masters and counts).
+    sharded = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)])}
+    for sd in (torch.uint8, torch.uint4):  # type: ignore[attr-defined]
+        for make in (mpfunc.adamw, mpfunc.lion):
+            try:
+                make(1e-3, state_dtype=sd).init(mpfunc.init_master(sharded))
+            except TypeError as e:
+                assert "at 'masters.w': expected a plain tensor for state_dtype" in str(e), e
+            else:
+                raise AssertionError(f"{make.__name__} + {sd}: DTensor masters were taken")
     torch.save({"keys": keys}, f"{out}/stochastic-rank{rank}.pt")
 
 
