@@ -100,13 +100,14 @@ def test_fsdp2_remainder_ties_are_the_fp32_run(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.slow
-def test_stochastic_shards_draw_their_own_bits_and_encoded_state_is_refused(
+def test_stochastic_shards_encoded_state_and_whole_loads(
     tmp_path: pathlib.Path,
 ) -> None:
     """ "stochastic" masters on DTensor shards: every rank drew the same bits for its local
     element ``i``, so the shards' rounding was correlated (equal rows on two ranks stayed
-    equal). Asserted in the ranks, as is the refusal of 8- and 4-bit moments for DTensor
-    masters at init; the ranks' keys agree with each other."""
+    equal). Asserted in the ranks, as are the refusals, before any write, of 8- and 4-bit
+    moments for DTensor masters (at init) and of a whole checkpoint loaded into DTensor
+    state (``load_``, ``MasterOptimizer.load_state_dict``); the ranks' keys agree."""
     check_ok(launch("stochastic", 2, tmp_path, timeout=120, worker=WORKER))
     ranks = [torch.load(tmp_path / f"stochastic-rank{r}.pt") for r in range(2)]
     assert ranks[0]["keys"] == ranks[1]["keys"]

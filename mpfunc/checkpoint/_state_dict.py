@@ -138,16 +138,30 @@ def _check_sd(fn: str, sd: object) -> dict[str, torch.Tensor]:
 
 
 def _check_values(
-    fn: str, where: str, keys: list[str | None], leaves: list[Any], sd: dict[str, torch.Tensor]
+    fn: str,
+    where: str,
+    keys: list[str | None],
+    leaves: list[Any],
+    sd: dict[str, torch.Tensor],
+    *,
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Every check between a tree and a state dict: the manifest when present, then keys,
-    shapes, dtypes and kinds, all problems listed together. Returns the dict without its
-    manifest."""
+    shapes, dtypes and kinds, all problems listed together (``in_place``: the tree's
+    leaves are to be written). Returns the dict without its manifest."""
     sd = _verify_manifest(fn, where, sd)
     wanted = {k: t for k, t in zip(keys, leaves) if k is not None}
     problems = _problems(wanted, {k: (tuple(v.shape), v.dtype) for k, v in sd.items()})
     for k, t in wanted.items():
         why = _kind_problem(t, plain=False)
+        if why is None and in_place and _dtensor.is_dtensor(t):
+            # Each rank holds a shard: a whole saved tensor has no one place to go (the
+            # copy failed after the plain leaves before it were written).
+            why = (
+                "a plain tensor (a DTensor's shards load with torch.distributed.checkpoint: "
+                "dcp.load(mpfunc.state_dict(tree), checkpoint_id=...))",
+                _dtensor.describe_sharding(t),
+            )
         if why is not None:
             problems.append(f"{k!r}: the tree's leaf must be {why[0]}, got {why[1]}")
         v = sd.get(k)
@@ -246,7 +260,7 @@ def load_state_dict_(tree: Any, sd: dict[str, torch.Tensor]) -> Any:
     fn = "load_state_dict_"
     sd = _check_sd(fn, sd)
     keys, leaves, _ = _keyed_leaves(fn, tree)
-    sd = _check_values(fn, "the state dict", keys, leaves, sd)
+    sd = _check_values(fn, "the state dict", keys, leaves, sd, in_place=True)
     _write_into(fn, keys, leaves, sd)
     return tree
 

@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import required
 
 from mpfunc.backends import _plan
-from mpfunc.core import _checks
+from mpfunc.core import _checks, _dtensor
 from mpfunc.core._checks import Side
 from mpfunc.core._optimizer import Optimizer
 from mpfunc.optim._adam import adam, adamw
@@ -176,7 +176,14 @@ def _same_kind(live: Any, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]
     moments: codes and scales); else ``None``."""
 
     def same(t: Any, s: Any) -> bool:
-        return isinstance(s, torch.Tensor) and s.dtype == t.dtype and s.shape == t.shape
+        # A DTensor pairs with a DTensor of its placement (a whole tensor saved by one
+        # process has no one place in a rank's shard: the copy failed after others).
+        return (
+            isinstance(s, torch.Tensor)
+            and s.dtype == t.dtype
+            and s.shape == t.shape
+            and _dtensor.same_sharding(t, s) is None
+        )
 
     if isinstance(live, torch.Tensor):
         return [(live, saved)] if same(live, saved) else None
@@ -1009,6 +1016,12 @@ class MasterOptimizer(torch.optim.Optimizer):
                         if isinstance(t, torch.Tensor)
                         else _checks.describe(t)
                     )
+                    if _dtensor.is_dtensor(t):
+                        expected += (
+                            f", {_dtensor.describe_sharding(t)} (a DTensor's shards: save "
+                            "and load each rank's state_dict(), or use "
+                            "torch.distributed.checkpoint)"
+                        )
                     _checks.fail(
                         ValueError, fn, f"{where}[{name!r}]", expected, _checks.describe(s),
                         "A MasterOptimizer state is loaded as saved, never cast",

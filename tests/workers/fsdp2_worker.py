@@ -461,7 +461,58 @@ def scenario_stochastic(rank: int, world: int, out: str) -> None:
                 assert "at 'masters.w': expected a plain tensor for state_dtype" in str(e), e
             else:
                 raise AssertionError(f"{make.__name__} + {sd}: DTensor masters were taken")
+    check_whole_loads_refused(rank, world, mesh, out)
     torch.save({"keys": keys}, f"{out}/stochastic-rank{rank}.pt")
+
+
+def check_whole_loads_refused(rank: int, world: int, mesh: Any, out: str) -> None:
+    """A whole (one process's) checkpoint loaded into DTensor state is refused before any
+    write, naming the leaf: ``load_`` wrote the plain step counts and then failed inside
+    torch's copy; ``MasterOptimizer.load_state_dict`` compared global shapes and failed
+    after writing the first param's step count."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.ones(6, 4, dtype=torch.bfloat16)
+    opt = mpfunc.adamw(lr=1e-2)
+    path = f"{out}/whole-{world}.pt"
+    if rank == 0:
+        mpfunc.save(path, {"s": opt.init(mpfunc.init_master({"w": full}))})
+    torch.distributed.barrier()
+    params = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)])}
+    masters = mpfunc.init_master(params)
+    state = opt.init(masters)
+    mpfunc.apply_update_(masters, {"w": torch.ones_like(params["w"])}, state, opt)
+    tensors = [t for t in leaves(state) if t is not None]
+    held = [_raw(t).clone() for t in tensors]
+    try:
+        mpfunc.load_(path, {"s": state})
+    except ValueError as e:
+        assert "'s.exp_avg.w': the tree's leaf must be a plain tensor" in str(e), e
+    else:
+        raise AssertionError("load_ took a whole checkpoint into DTensor state")
+    assert all(torch.equal(a, _raw(t)) for a, t in zip(held, tensors))
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 6).to(torch.bfloat16)
+    ref_opt = mpfunc.MasterOptimizer(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        ref(full[:, :4]).float().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 6).to(torch.bfloat16)
+    fully_shard(model, mesh=mesh)
+    sharded = mpfunc.MasterOptimizer(model.parameters(), lr=1e-2)
+    model(full[:, :4]).float().sum().backward()
+    sharded.step()
+    steps = [float(sharded.state[q]["step"]) for q in model.parameters()]
+    try:
+        sharded.load_state_dict(ref_opt.state_dict())
+    except ValueError as e:
+        assert "a DTensor's shards: save and load each rank's state_dict()" in str(e), e
+    else:
+        raise AssertionError("load_state_dict took a whole state into DTensor state")
+    assert [float(sharded.state[q]["step"]) for q in model.parameters()] == steps
 
 
 if __name__ == "__main__":
