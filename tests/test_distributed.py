@@ -88,6 +88,7 @@ def test_dcp_checkpoint_reshards(before: int, after: int, tmp_path: pathlib.Path
 
 
 def test_ranks_with_different_trees_all_get_a_clear_error(tmp_path: pathlib.Path) -> None:
+    """Also a rank outside the group passed to the collectives (asserted in the ranks)."""
     check_ok(launch("mismatch", 2, tmp_path, timeout=60))
     for r in range(2):
         msg = (tmp_path / f"error-rank{r}.txt").read_text()

@@ -174,6 +174,14 @@ def _agree_eager(
     group: Any,
 ) -> None:
     dist = require_dist()
+    if group is not None and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+        # (What new_group returns on a rank it leaves out; torch's collectives then warn
+        # and do nothing, which here would return the tree unreduced.)
+        raise ValueError(
+            f"{fn}: group: expected a process group this rank belongs to, got one that "
+            f"leaves out rank {dist.get_rank()} (torch.distributed.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER there): call it on the group's ranks only"
+        )
     world = world_size(group)
     if world == 1:
         return

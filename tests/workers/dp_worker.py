@@ -166,7 +166,25 @@ def scenario_resume(rank: int, world: int, out: str) -> None:
 
 
 def scenario_mismatch(rank: int, world: int, out: str) -> None:
-    """Rank 1 builds a different model; every rank must get the same clear error."""
+    """Rank 1 builds a different model; every rank must get the same clear error. First,
+    a rank outside a group gets a clear error from the collectives, nothing written (it
+    got "cannot create weak reference to 'int' object")."""
+    import torch.distributed as dist
+
+    g = dist.new_group([0])
+    if rank == 1:
+        grads = {"w": _ones(4, rank=rank)}
+        snap = _snapshot(grads)
+        for call in (mpfunc.all_reduce_grads, mpfunc.all_reduce_grads_):
+            try:
+                call(grads, group=g)
+            except ValueError as e:
+                if "group: expected a process group this rank belongs to" not in str(e):
+                    raise
+            else:
+                raise SystemExit(f"{call.__name__} took a group without this rank")
+        if not _unchanged(grads, snap):
+            raise SystemExit("a refused all_reduce_grads_ wrote")
     params = dict(make_model(torch.bfloat16).named_parameters())
     if rank == 1:
         params["extra.weight"] = torch.zeros(3)
