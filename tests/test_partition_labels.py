@@ -72,3 +72,21 @@ def test_partition_labels_by_dtype_are_not_reused_across_dtypes() -> None:
     )
     assert opt.init({"w": _rand(W)})["narrow"].step["w"] is not None
     assert opt.init({"w": _rand(W, F64)})["wide"].step["w"] is not None
+
+
+def test_missing_labels_are_named_by_their_leaf_beside_units() -> None:
+    """A label tree missing leaves named the first remainder master's field ('a.param')
+    instead of the missing leaf."""
+    p = {"a": torch.randn(4, 8).bfloat16(), "i": torch.randn(3).bfloat16(), "n": None}
+    masters = mpfunc.init_master(p, strategy={"a": "remainder", "i": "fp32", "n": None})
+    opt = mpfunc.partition({"x": mpfunc.adamw(1e-3)}, {"a": "x"})
+    with pytest.raises(ValueError, match=r"'i' is in masters but not in labels"):
+        opt.init(masters)
+
+
+def test_an_unhashable_label_from_a_function_is_named() -> None:
+    """A labels function returning a list raised a bare "unhashable type: 'list'"."""
+    masters = mpfunc.init_master({"a": torch.randn(4, 8).bfloat16()})
+    opt = mpfunc.partition({"x": mpfunc.adamw(1e-3)}, lambda path, leaf: ["x"])
+    with pytest.raises(ValueError, match=r"^partition\.init: at 'masters\.a': expected a label "):
+        opt.init(masters)

@@ -193,16 +193,18 @@ def check_tensor_or_none(fn: str, name: str, tree: Any, leaves: Sequence[Any]) -
 
 
 def _first_difference(a: Any, b: Any, name_a: str, name_b: str) -> str:
-    """Explains where two trees first differ, by path."""
-    pa = _tree.leaf_paths(a)
-    pb = _tree.leaf_paths(b)
-    set_a, set_b = set(pa), set(pb)
-    for p in pa:
-        if p not in set_b:
-            return f"{p!r} is in {name_a} but not in {name_b}"
-    for p in pb:
-        if p not in set_a:
-            return f"{p!r} is in {name_b} but not in {name_a}"
+    """Explains where two trees first differ, by path (a master strategy's unit, such as a
+    remainder master, named as the one leaf it stands for, then by its fields)."""
+    for units in (True, False):
+        pa = _tree.leaf_paths(a, units=units)
+        pb = _tree.leaf_paths(b, units=units)
+        set_a, set_b = set(pa), set(pb)
+        for p in pa:
+            if p not in set_b:
+                return f"{p!r} is in {name_a} but not in {name_b}"
+        for p in pb:
+            if p not in set_a:
+                return f"{p!r} is in {name_b} but not in {name_a}"
     where = _container_difference(_tree.flatten(a)[1], _tree.flatten(b)[1], ())
     if where is None:  # pragma: no cover - equal paths and node types: another difference
         return "the leaf paths match but the container types differ"

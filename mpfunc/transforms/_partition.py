@@ -86,7 +86,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
             out = [None if m is None else lab for m, lab in zip(masters.leaves, l_leaves)]
             named = Side("labels", labels, out)
         for i, lab in enumerate(out):
-            if masters.leaves[i] is not None and lab not in opts:
+            if masters.leaves[i] is not None and not _known(lab, opts):
                 _checks.fail(
                     ValueError, where, named.path(i), f"a label among {sorted(opts)}", repr(lab)
                 )
@@ -125,3 +125,12 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Any) -> Optimizer:
         return work
 
     return Optimizer(init=init, plan=plan, functional=functional, name=fn)
+
+
+def _known(label: object, opts: dict[str, Any]) -> bool:
+    """Whether ``label`` names one of the optimizers (an unhashable one, such as a list a
+    labels function returned, names none)."""
+    try:
+        return label in opts
+    except TypeError:
+        return False
