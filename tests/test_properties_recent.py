@@ -540,7 +540,7 @@ def test_disjoint_column_views_step_as_clones(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="library bug: README promises a 'remainder' run is the 'fp32' run bit for bit; "
+    reason="documented limit (README's strategy table: dense params): "
     "for every other column of a column-major buffer the fp32 master is dense and takes "
     "torch's fused kernel, the remainder's param is not and takes the foreach path: the "
     "masters differ in the last bit",
