@@ -177,8 +177,13 @@ def _reduce(
         itemsize = torch.empty((), dtype=rdtype).element_size()
         for run in buckets(idx, leaves, itemsize, bucket_bytes):
             flat, pieces = pack(leaves, run, rdtype)
+            # fp16's range is narrow: a mean divides first (as DDP does), or two ranks' grads
+            # near 65504 would sum to inf. Other dtypes divide the sum.
+            before = op == "mean" and rdtype == torch.float16
+            if before:
+                flat.div_(world)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            if op == "mean":
+            if op == "mean" and not before:
                 flat.div_(world)
             for i, piece in zip(run, pieces):
                 out[i] = piece if inplace else in_layout(piece, leaves[i])
@@ -247,7 +252,9 @@ def all_reduce_grads(
     Args:
       grads: a tree of floating tensors or ``None`` (the same tree on every rank).
       group: a process group (default: the world).
-      op: ``"mean"`` (default) or ``"sum"``.
+      op: ``"mean"`` (default) or ``"sum"``. A mean of fp16 grads is divided by the world
+        size before the sum (as DDP does: a sum near fp16's largest value would overflow),
+        of other dtypes after it.
       reduce_dtype: ``None`` reduces in the grads' own dtype, as the recipe does;
         ``torch.float32`` upcasts first, for accuracy, and returns fp32 grads.
       bucket_bytes: the largest bucket, in bytes of the reduce dtype. Not used on XLA,

@@ -185,6 +185,12 @@ def scenario_mismatch(rank: int, world: int, out: str) -> None:
                 raise SystemExit(f"{call.__name__} took a group without this rank")
         if not _unchanged(grads, snap):
             raise SystemExit("a refused all_reduce_grads_ wrote")
+    # A mean of fp16 grads near fp16's largest value: divided before the sum, as DDP does
+    # (the sum of two ranks' 40000 was inf).
+    big = {"w": torch.full((8,), 40000.0, dtype=torch.float16)}
+    for reduced in (mpfunc.all_reduce_grads(big), mpfunc.all_reduce_grads_(big)):
+        if not torch.equal(reduced["w"], torch.full((8,), 40000.0, dtype=torch.float16)):
+            raise SystemExit(f"fp16 mean: {reduced['w']}")
     params = dict(make_model(torch.bfloat16).named_parameters())
     if rank == 1:
         params["extra.weight"] = torch.zeros(3)
