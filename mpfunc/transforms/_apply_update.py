@@ -397,9 +397,13 @@ def apply_update(
     m = step.masters._replace(tree=new_masters, leaves=leaves)
     faces = [_strategy.face(x) for x in leaves]
     begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
-    with _sharding.kept(_sharding.tensors(new_masters, new_state)):
-        # Fresh copies every call: nothing to remember for their plan.
-        _run(opt.plan(step._replace(masters=m, faces=faces, memo=None, sweep=None), new_state, fn))
+    # Fresh copies every call: nothing to remember for their plan.
+    planned = step._replace(masters=m, faces=faces, memo=None, sweep=None)
+    if _sharding.active():
+        with _sharding.kept(_sharding.tensors(new_masters, new_state)):
+            _run(opt.plan(planned, new_state, fn))
+    else:
+        _run(opt.plan(planned, new_state, fn))
     _xla_watch.step_ends(begun, faces)
     return new_masters, new_state
 
@@ -459,17 +463,30 @@ def apply_update_(
     step = _check(fn, masters, grads, opt, skip, params, scale, stats, in_place=True)
     # Without a torch_xla.sync() between steps, XLA graphs grow: noticed (_xla_watch).
     begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
-    # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).
-    assert step.sweep is not None
-    with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
-        work = opt.plan(step, state, fn)
-        # The call's one memory check, over the masters, params, grads and every plan's
-        # state, before the first write (none when every check was remembered).
-        step.sweep.run(fn)
-        with _shard_streams(step):
-            _run(work)
+    # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept). Outside
+    # it no context manager or generator is made: torch 2.11's dynamo broke the graph on
+    # them and then failed in its own codegen (torch.compile of the whole step).
+    if _sharding.active():
+        with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
+            _plan_and_run(fn, step, state, opt)
+    else:
+        _plan_and_run(fn, step, state, opt)
     _xla_watch.step_ends(begun, step.faces or [])
     return masters, state
+
+
+def _plan_and_run(fn: str, step: Step, state: Any, opt: Optimizer) -> None:
+    work = opt.plan(step, state, fn)
+    # The call's one memory check, over the masters, params, grads and every plan's state,
+    # before the first write (none when every check was remembered).
+    assert step.sweep is not None
+    step.sweep.run(fn)
+    salted = _salted_keys(step)
+    if not salted:
+        _run(work)
+        return
+    with _shard_streams(step, salted):
+        _run(work)
 
 
 # An odd int32 constant (MurmurHash3's c2) that spreads shard indices over the key space.
@@ -477,7 +494,7 @@ _SHARD_SALT = 0x1B873593
 
 
 @contextlib.contextmanager
-def _shard_streams(step: Step) -> Iterator[None]:
+def _shard_streams(step: Step, salted: list[tuple[torch.Tensor, int]]) -> Iterator[None]:
     """Independent draws on each shard of a ``"stochastic"`` DTensor master (FSDP2).
 
     A leaf's draws hash the element's index within the tensor the kernel sees, which for a
@@ -486,11 +503,8 @@ def _shard_streams(step: Step) -> Iterator[None]:
     by its shard's index (from the mesh coordinates of the dims that shard it; ranks
     holding the same shard draw alike), and afterwards set to what the step does to a key
     (advanced unless skipped), so the stored stream is the unsharded one's. The draws are
-    independent across shards, not those of a single-process run."""
-    salted = _salted_keys(step)
-    if not salted:
-        yield
-        return
+    independent across shards, not those of a single-process run. ``salted``: the keys
+    and their offsets (``_salted_keys``)."""
     keys = [k for k, _ in salted]
     held = [k.clone() for k in keys]
     for k, salt in salted:
@@ -505,6 +519,8 @@ def _shard_streams(step: Step) -> Iterator[None]:
 
 
 def _salted_keys(step: Step) -> list[tuple[torch.Tensor, int]]:
+    if compiling():
+        return []  # (DTensor steps are not traced)
     cls = _dtensor.dtensor_type()
     if cls is None or not any(k is _strategy_stochastic.STRATEGY for k in step.kinds or ()):
         return []
