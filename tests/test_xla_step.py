@@ -171,3 +171,42 @@ def test_a_schedule_that_reads_the_count_back_warns_once(xla_device: torch.devic
         warnings.simplefilter("error")
         run(on_device, steps=3)
     assert count("TransferFromDeviceTime") == reads
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+@pytest.mark.parametrize(
+    ("strategy", "sd"), [("fp32", None), ("kahan", torch.bfloat16), ("stochastic", torch.uint8)]
+)
+def test_amsgrad_max_keeps_a_nan_on_xla(
+    xla_device: torch.device, impl: str, strategy: str, sd: torch.dtype | None
+) -> None:
+    """XLA:CPU's maximum drops a NaN second operand where torch's CPU one propagates it:
+    after a step with a NaN grad (not skipped), amsgrad's running max stayed finite on
+    XLA, NaN on the CPU (a code 157 against 255 in 8-bit state). The XLA node and the
+    foreach path on XLA now give the CPU's bits."""
+    import torch_xla
+
+    out = []
+    for dev in (torch.device("cpu"), xla_device):
+        dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
+        params = {"w": torch.linspace(-1, 1, 64).to(dtype).to(dev)}
+        masters = mpfunc.init_master(params, strategy=strategy)
+        opt = mpfunc.adamw(lr=1e-2, amsgrad=True, state_dtype=sd, impl=impl)
+        state = opt.init(masters)
+        for t in range(3):
+            g = torch.ones(64) * (t + 1)
+            if t == 1:
+                g[5] = float("nan")
+            mpfunc.apply_update_(masters, {"w": g.to(dtype).to(dev)}, state, opt)
+            if dev.type == "xla":
+                torch_xla.sync()
+        vmax = state.max_exp_avg_sq["w"]
+        vmax = vmax.codes if sd == torch.uint8 else vmax
+        out.append(vmax.cpu().float())
+    if sd == torch.uint8:
+        assert torch.equal(out[0], out[1])
+    else:
+        # NaN where the CPU has it; elsewhere within the XLA bound (a fused multiply-add).
+        assert torch.equal(out[0].isnan(), out[1].isnan()) and bool(out[1][5].isnan())
+        torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=0.0, equal_nan=True)

@@ -77,6 +77,16 @@ def _ln(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
+def _maximum_(dst: TensorList, other: TensorList) -> None:
+    """``dst = maximum(dst, other)``, NaN where either is NaN, as torch's CPU and CUDA
+    ``maximum`` give it. torch_xla's (XLA:CPU) keeps ``dst`` where ``other`` is NaN, so on
+    lazy devices a NaN is put back: ``dst + other`` is NaN where either is."""
+    torch._foreach_maximum_(dst, other)
+    if dst and _plan.is_lazy(dst[0].device):
+        for d, o in zip(dst, other):
+            d.copy_(torch.where(o.isnan(), d + o, d))
+
+
 def _reference(group: Group, h: AdamHyper) -> None:
     """One tensor at a time; the op order matches ``_foreach`` exactly."""
     s: AdamState = group.state
@@ -100,7 +110,7 @@ def _reference(group: Group, h: AdamHyper) -> None:
             v.addcmul_(g, g, value=1 - h.beta2)
             if h.amsgrad:
                 vmax = s.max_exp_avg_sq[i]
-                torch.maximum(vmax, v, out=vmax)
+                _maximum_([vmax], [v])
                 v = vmax
             # 1 - beta**t computed as -expm1(t * ln beta): accurate to fp32 rounding
             # even while beta**t is close to 1, where 1 - beta**t in fp32 loses digits.
@@ -170,7 +180,7 @@ def _foreach(group: Group, h: AdamHyper) -> None:
         torch._foreach_mul_(v, h.beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - h.beta2)
         if h.amsgrad:
-            torch._foreach_maximum_(s.max_exp_avg_sq, v)
+            _maximum_(s.max_exp_avg_sq, v)
             v = s.max_exp_avg_sq
         neg_step, c2 = _bias_terms(s.step, lr, h)
         denom = torch._foreach_div(torch._foreach_sqrt(v), c2)
@@ -350,7 +360,10 @@ def _build_xla(h: AdamHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]
         vm1 = None
         if vm0 is not None:
             vm = b.widen(vm0, md, shape)
-            vm1 = b.keep(skip, vm, vm.max(v1))
+            # XLA:CPU's max drops a NaN second operand (torch's CPU maximum propagates
+            # either): vm + v1 is NaN where either is.
+            nan = (vm != vm) | (v1 != v1)
+            vm1 = b.keep(skip, vm, nan.select(vm + v1, vm.max(v1)))
         vd = v1 if vm1 is None else vm1
         c2 = (-((s1 * ln_b2).expm1())).sqrt()
         c1 = (one / (s1 * ln_b1).expm1()) * lr
