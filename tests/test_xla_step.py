@@ -210,3 +210,29 @@ def test_amsgrad_max_keeps_a_nan_on_xla(
         # NaN where the CPU has it; elsewhere within the XLA bound (a fused multiply-add).
         assert torch.equal(out[0].isnan(), out[1].isnan()) and bool(out[1][5].isnan())
         torch.testing.assert_close(out[1], out[0], rtol=1e-6, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.xla
+def test_views_xla_cannot_vouch_for_are_refused_saying_so(xla_device: torch.device) -> None:
+    """On XLA a column slice reads to torch as "too hard to tell" for overlap, as an expanded
+    tensor does (XLA shows no real strides): refused, as before, but the error said an
+    expanded tensor and showed fake strides. Nothing is written; transposes and leading-row
+    slices are taken."""
+    import torch_xla
+
+    qkv = torch.randn(8, 24).to(xla_device)
+    masters = {"q": qkv[:, :8], "k": torch.randn(8, 8).to(xla_device)}
+    opt = mpfunc.sgd(lr=0.1)
+    state = opt.init(masters)
+    grads = {k: torch.ones(8, 8).to(xla_device) for k in masters}
+    torch_xla.sync()
+    before = qkv.cpu().clone()
+    with pytest.raises(ValueError, match=r"at 'masters\.q': expected a tensor whose elements XLA"):
+        mpfunc.apply_update_(masters, grads, state, opt)
+    torch_xla.sync()
+    assert torch.equal(qkv.cpu(), before)
+    rows = {"q": qkv[:4].t(), "k": torch.randn(24, 4).to(xla_device)}
+    state = opt.init(rows)
+    mpfunc.apply_update_(rows, {k: torch.ones(24, 4).to(xla_device) for k in rows}, state, opt)
+    torch_xla.sync()
+    assert torch.equal(qkv[:4].cpu(), before[:4] - 0.1)

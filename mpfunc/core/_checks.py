@@ -701,6 +701,20 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
                 overlaps = t.numel() > 1 and int(torch._debug_has_internal_overlap(t)) != 0
             else:
                 overlaps = not t.is_contiguous() and _overlaps_itself(t)
+            if overlaps and (t.is_xla or t.is_meta):
+                # XLA reports contiguous strides for every view and cannot tell an expanded
+                # tensor from a column slice: both are refused, said as such.
+                fail(
+                    ValueError,
+                    fn,
+                    side.path(i),
+                    "a tensor whose elements XLA can show not to share memory",
+                    f"{describe(t)}, a view torch_xla cannot tell apart from an expanded "
+                    "tensor (a column slice, a stepped slice, a select or a diagonal of "
+                    "another tensor, or an expand)",
+                    "Pass .clone() of it: on XLA, leaves may be transposes or leading-row "
+                    "slices of other tensors, not other views",
+                )
             if overlaps:
                 fail(
                     ValueError,
