@@ -227,7 +227,7 @@ def test_views_xla_cannot_vouch_for_are_refused_saying_so(xla_device: torch.devi
     grads = {k: torch.ones(8, 8).to(xla_device) for k in masters}
     torch_xla.sync()
     before = qkv.cpu().clone()
-    with pytest.raises(ValueError, match=r"at 'masters\.q': expected a tensor whose elements XLA"):
+    with pytest.raises(ValueError, match=r"at 'masters\.q': .* a view torch_xla cannot tell apart"):
         mpfunc.apply_update_(masters, grads, state, opt)
     torch_xla.sync()
     assert torch.equal(qkv.cpu(), before)

@@ -708,7 +708,7 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
                     ValueError,
                     fn,
                     side.path(i),
-                    "a tensor whose elements XLA can show not to share memory",
+                    "a tensor whose elements do not share memory",
                     f"{describe(t)}, a view torch_xla cannot tell apart from an expanded "
                     "tensor (a column slice, a stepped slice, a select or a diagonal of "
                     "another tensor, or an expand)",
