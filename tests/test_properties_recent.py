@@ -37,6 +37,7 @@ from support.helpers import (
     assert_unchanged,
     settle,
     snapshot,
+    state_tensors,
 )
 
 import mpfunc
@@ -89,15 +90,6 @@ def assert_all_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
             assert_bits_equal(x, y)
         else:  # 8-bit codes, RNG keys, remainders
             assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu())
-
-
-def state_tensors(opt: mpfunc.MasterOptimizer) -> list[torch.Tensor]:
-    """Every tensor of ``opt.state_dict()``: masters, moments, counts, keys, 8-bit codes."""
-    out: list[torch.Tensor] = []
-    for _, entry in sorted(opt.state_dict()["state"].items()):
-        for _, t in sorted(entry.items()):
-            out += [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
-    return out
 
 
 def as_params(tree: Any) -> list[torch.Tensor]:

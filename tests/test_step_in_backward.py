@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hardening import _alias
-from support.helpers import assert_bits_equal, assert_unchanged, snapshot
+from support.helpers import assert_bits_equal, assert_unchanged, snapshot, state_tensors
 
 import mpfunc
 from mpfunc.transforms import _step_in_backward
@@ -76,14 +76,6 @@ def batch(k: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, tor
 def loss_of(net: Net, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     x, y = batch(k, device)
     return torch.nn.functional.cross_entropy(net(x).float().reshape(-1, 16), y.reshape(-1))
-
-
-def state_tensors(opt: mpfunc.MasterOptimizer) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for _, entry in sorted(opt.state_dict()["state"].items()):
-        for _, t in sorted(entry.items()):
-            out += [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
-    return out
 
 
 def train(sib: bool, strategy: str, sd: torch.dtype, name: str, steps: int = 3) -> tuple[Any, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +66,31 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` by nearest rank."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def ratio_rows(
+    times: Mapping[str, Sequence[float]], nbytes: Mapping[str, float | None], base: str
+) -> list[dict[str, Any]]:
+    """One row per contender: its median time, and the median and quartiles of its per-round
+    ratios to ``base``'s time in the same round (rounds interleave the contenders)."""
+    rows = []
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, times[base])]
+        rows.append(
+            {
+                "name": name,
+                "bytes_per_param": nbytes[name],
+                "median_ms": statistics.median(ts) * 1e3,
+                "ratio": statistics.median(ratios),
+                "ratio_q25": quantile(ratios, 0.25),
+                "ratio_q75": quantile(ratios, 0.75),
+                "times_s": list(ts),
+            }
+        )
+    return rows

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -49,7 +48,7 @@ import mpfunc
 from bench.common import meta as meta_mod
 from bench.common import peers as peer_mod
 from bench.common.machine import load_avg
-from bench.common.report import fmt, header, write_json
+from bench.common.report import fmt, header, ratio_rows, write_json
 
 BF16 = torch.bfloat16
 U8 = torch.uint8
@@ -227,32 +226,6 @@ def _measure(contenders: dict[str, tuple[float, Step]], rounds: int) -> dict[str
     return times
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def _rows(
-    times: dict[str, list[float]], contenders: dict[str, tuple[float, Step]], base_name: str
-) -> list[dict[str, Any]]:
-    base = times[base_name]
-    rows = []
-    for name, ts in times.items():
-        ratios = [t / b for t, b in zip(ts, base)]
-        rows.append(
-            {
-                "name": name,
-                "bytes_per_param": contenders[name][0],
-                "median_ms": statistics.median(ts) * 1e3,
-                "ratio": statistics.median(ratios),
-                "ratio_q25": _quantile(ratios, 0.25),
-                "ratio_q75": _quantile(ratios, 0.75),
-                "times_s": ts,
-            }
-        )
-    return rows
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     run_meta = meta_mod.Run("pairs", args.argv)
     configs = [("size", _shapes(args.numel, args.tensors), True)]
@@ -275,7 +248,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "tensors": len(shapes),
                     "numel": sum(math.prod(s) for s in shapes),
                     "load_avg": {"start": load0, "end": load_avg()},
-                    "rows": _rows(times, contenders, BASE[args.optimizer]),
+                    "rows": ratio_rows(
+                        times, {k: v[0] for k, v in contenders.items()}, BASE[args.optimizer]
+                    ),
                     "failed": failed,
                 }
             )

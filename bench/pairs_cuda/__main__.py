@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -40,7 +39,7 @@ import torch
 import mpfunc
 from bench.common import meta as meta_mod
 from bench.common.machine import load_avg
-from bench.common.report import header, write_json
+from bench.common.report import header, ratio_rows, write_json
 
 BF16 = torch.bfloat16
 U8 = torch.uint8
@@ -200,11 +199,6 @@ def _check(device: torch.device, compile_names: set[str]) -> dict[str, Any]:
     return out
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     run_meta = meta_mod.Run("pairs_cuda", args.argv)
     device = torch.device(args.device)
@@ -252,19 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step()
             _sync(device)
             times[name].append(time.perf_counter() - t)
-    rows = []
-    for name, ts in times.items():
-        ratios = [t / b for t, b in zip(ts, times[BASE])]
-        rows.append(
-            {
-                "name": name,
-                "bytes_per_param": contenders[name][0],
-                "median_ms": statistics.median(ts) * 1e3,
-                "ratio": statistics.median(ratios),
-                "ratio_q25": _quantile(ratios, 0.25),
-                "ratio_q75": _quantile(ratios, 0.75),
-            }
-        )
+    rows = ratio_rows(times, {k: v[0] for k, v in contenders.items()}, BASE)
     result.update(
         rows=rows,
         failed=failed,

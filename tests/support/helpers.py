@@ -163,3 +163,13 @@ def pruned_run(
     zero = {"w": torch.zeros(4, 64, dtype=dtype, device=device)}
     mpfunc.apply_update_(masters, zero, state, opt)
     return masters
+
+
+def state_tensors(opt: Any) -> list[torch.Tensor]:
+    """Every tensor of a MasterOptimizer's ``state_dict()``: masters, moments, counts, keys,
+    8-bit codes and scales, in a fixed order."""
+    out: list[torch.Tensor] = []
+    for _, entry in sorted(opt.state_dict()["state"].items()):
+        for _, t in sorted(entry.items()):
+            out += [t] if isinstance(t, torch.Tensor) else [x for x in t if x is not None]
+    return out
