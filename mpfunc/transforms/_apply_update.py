@@ -401,9 +401,9 @@ def apply_update(
     planned = step._replace(masters=m, faces=faces, memo=None, sweep=None)
     if _sharding.active():
         with _sharding.kept(_sharding.tensors(new_masters, new_state)):
-            _run(opt.plan(planned, new_state, fn))
+            _run_streams(planned, opt.plan(planned, new_state, fn))
     else:
-        _run(opt.plan(planned, new_state, fn))
+        _run_streams(planned, opt.plan(planned, new_state, fn))
     _xla_watch.step_ends(begun, faces)
     return new_masters, new_state
 
@@ -481,6 +481,11 @@ def _plan_and_run(fn: str, step: Step, state: Any, opt: Optimizer) -> None:
     # before the first write (none when every check was remembered).
     assert step.sweep is not None
     step.sweep.run(fn)
+    _run_streams(step, work)
+
+
+def _run_streams(step: Step, work: list[Work]) -> None:
+    """``_run(work)``, with sharded ``"stochastic"`` keys offset per shard (``_shard_streams``)."""
     salted = _salted_keys(step)
     if not salted:
         _run(work)

@@ -449,6 +449,14 @@ def scenario_stochastic(rank: int, world: int, out: str) -> None:
         if sharded:
             assert differ > 512, differ  # independent rounding of the two halves
         keys[sharded] = int(_raw(masters["w"].key).view(torch.int32))
+        # The pure form too: its copies draw per shard as the in-place step does.
+        pure = mpfunc.init_master({"w": wrap(full.clone())}, strategy="stochastic")
+        pure_state = opt.init(pure)
+        for _ in range(6):
+            pure, pure_state = mpfunc.apply_update(pure, {"w": wrap(full.clone())}, pure_state, opt)
+        w = pure["w"].param.full_tensor() if sharded else pure["w"].param
+        if sharded:
+            assert int((w[:4] != w[4:]).sum()) > 512, "pure apply_update: shards drew alike"
     assert keys[True] == keys[False], keys
     # Encoded moments of shards are refused at init, naming the leaf (they were made
     # full-size and plain, and the step failed after writing masters and counts).
