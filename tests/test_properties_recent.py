@@ -870,8 +870,9 @@ def _sib_run(
 ) -> list[torch.Tensor]:
     """Three steps of a MasterOptimizer (two param groups where there are two params) with
     ``sib``; ``change = (step, group, key, value)`` sets a value after that step's backward
-    (``sib``: then ``step()`` must refuse, having written nothing) or after its step (the
-    ordinary run: what the refused step promises, the next step with the new value)."""
+    (``sib``: then ``step()`` must refuse, having written nothing, if a leaf of that group
+    stepped in the backward) or after its step (the ordinary run: what the refused step
+    promises, the next step with the new value)."""
     strategy, sd, base, grads = case
     params = [p.detach().clone().requires_grad_(True) for p in base]
     cut = max(1, len(params) // 2)
@@ -885,7 +886,16 @@ def _sib_run(
             )
             assert isinstance(loss, torch.Tensor)
             loss.backward()  # type: ignore[no-untyped-call]
-            if change is not None and change[0] == k and sib:
+            members = [range(cut), range(cut, len(params))]
+            stepped = change is not None and any(
+                step_grads[j] is not None for j in members[change[1]]
+            )
+            if change is not None and change[0] == k and sib and not stepped:
+                # A group none of whose leaves stepped in this backward takes the value
+                # (not used yet): the ordinary run's value set after its step.
+                opt.param_groups[change[1]][change[2]] = change[3]
+                opt.step()
+            elif change is not None and change[0] == k and sib:
                 _, i, key, value = change
                 old = opt.param_groups[i][key]
                 opt.param_groups[i][key] = value

@@ -957,3 +957,26 @@ def test_reentrant_segment_after_an_outer_step_names_the_cause() -> None:
         (h @ w).float().sum().backward()
     opt.zero_grad()
     opt.step()
+
+
+def test_a_value_changed_in_a_group_that_did_not_step_is_taken() -> None:
+    """A group none of whose leaves stepped in this backward (its params took no grad) may
+    change its values before step(): they were not used. The refusal said "this step
+    used ..." for it; a group that stepped still refuses a change."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4).bfloat16(), torch.nn.Linear(4, 4).bfloat16()
+    opt = mpfunc.MasterOptimizer(
+        [{"params": a.parameters()}, {"params": b.parameters(), "lr": 1e-2}],
+        lr=1e-3,
+        step_in_backward=True,
+    )
+    x = torch.randn(2, 4).bfloat16()
+    a(x).float().sum().backward()  # only group 0 steps
+    opt.param_groups[1]["lr"] = 5e-3
+    opt.step()
+    opt.zero_grad()
+    a(x).float().sum().backward()
+    opt.param_groups[0]["lr"] = 5e-4
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] changed after the backward"):
+        opt.step()
+    opt.close()

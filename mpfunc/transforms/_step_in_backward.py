@@ -553,6 +553,8 @@ def optimizer_step(opt: Any, skip: torch.Tensor | None) -> None:
         )
     hooks.deferred.clear()  # their grads are complete now: they step below
     late = [j for j, p in enumerate(opt._params) if p.grad is not None and j not in hooks.stepped]
+    # The groups whose leaves stepped in the backward, with the values of that time.
+    early = {opt._group_of[j] for j in hooks.stepped}
     for j in late:  # a grad written by hand, from a nested backward, or outside the hooks' reach
         if opt._params[j].is_floating_point():
             optimizer_leaf(opt, j, opt._params[j])
@@ -566,6 +568,7 @@ def optimizer_step(opt: Any, skip: torch.Tensor | None) -> None:
     changed = [
         (i, k, a, b)
         for i, (g_old, g_new) in enumerate(zip(used, opt._group_values()))
+        if i in early
         for k, a, b in zip(opt._keys, g_old, g_new)
         if a != b
     ]
