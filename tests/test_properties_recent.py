@@ -39,6 +39,7 @@ from support.helpers import (
     snapshot,
     state_tensors,
 )
+from torch._prims_common import is_non_overlapping_and_dense
 
 import mpfunc
 from mpfunc import testing as mt
@@ -116,19 +117,6 @@ def fresh_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     layouts included: ``Tensor.to`` and ``clone`` make those contiguous)."""
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     return out.copy_(t)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense (every element once, no gaps), whatever the order."""
-    if t.numel() <= 1:
-        return True
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return False
-        expected *= n
-    return True
 
 
 def column_views(buf: torch.Tensor, kind: str, k: int, cuts: list[int]) -> dict[str, torch.Tensor]:
@@ -258,7 +246,7 @@ def test_from_torch_optim_reads_decoupled_weight_decay_per_group(
     lr = max(g["lr"] for g in groups)
     for k, (i, r) in enumerate(zip(index, ref)):
         m = leaves(masters)[i]
-        if same_layout[k] and _dense(m):
+        if same_layout[k] and (m.numel() <= 1 or is_non_overlapping_and_dense(m)):
             assert_bits_equal(m, r.detach())
         else:
             assert_close_bound(m, r.detach(), lr=lr, steps=3)

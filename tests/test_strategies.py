@@ -887,9 +887,9 @@ def test_leaf_keys_hash_as_the_tensor_mix_does(seed: int, index: int) -> None:
     from mpfunc.core import _rng
 
     s = seed % 2**64
-    high = _rng._mix(torch.tensor(_rng._wrap(s >> 32), dtype=torch.int32))
-    h = torch.tensor(_rng._wrap(s * 0x9E3779B1 + index), dtype=torch.int32).bitwise_xor_(high)
-    want = _rng._mix(_rng._mix(h).bitwise_xor_(_rng._wrap(index)))
+    high = _rng._mix(torch.tensor(_rng.wrap(s >> 32), dtype=torch.int32))
+    h = torch.tensor(_rng.wrap(s * 0x9E3779B1 + index), dtype=torch.int32).bitwise_xor_(high)
+    want = _rng._mix(_rng._mix(h).bitwise_xor_(_rng.wrap(index)))
     got = _rng.key_for(seed, index, "cpu")
     assert got.dtype == torch.int32 and got.shape == () and int(got) == int(want)
 
@@ -904,8 +904,8 @@ def test_every_bit_of_a_seed_counts(seed: int, index: int, high: int) -> None:
     from mpfunc.core import _rng
 
     old = _rng._mix_int(_rng._mix_int((seed * 0x9E3779B1 + index) & 0xFFFFFFFF) ^ index)
-    assert int(_rng.key_for(seed, index, "cpu")) == _rng._wrap(old)
-    assert int(_rng.key_for(seed + high * 2**32, index, "cpu")) != _rng._wrap(old)
+    assert int(_rng.key_for(seed, index, "cpu")) == _rng.wrap(old)
+    assert int(_rng.key_for(seed + high * 2**32, index, "cpu")) != _rng.wrap(old)
     neg = -1 - seed
     assert int(_rng.key_for(neg, index, "cpu")) == int(_rng.key_for(neg + 2**64, index, "cpu"))
 

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Optional, Union
 
 import torch
 
+from mpfunc.core import _rng
 from mpfunc.state_formats import _state_format
 from mpfunc.strategies import _strategy
 
@@ -546,12 +547,6 @@ def _explain(
 _GOLDEN, _M1, _M2 = -1640531535, -2048144789, -1028477387
 
 
-def _wrap(v: int) -> int:
-    """A Python int as the int32 with the same low 32 bits (``_rng._wrap``)."""
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
 class _B:
     """A small helper around one ``xla_builder`` computation: parameters in order, fp32
     constants, casts, and each master strategy's and state format's load and store."""
@@ -707,7 +702,7 @@ class _B:
         step, salt, shape = draw
         noise = None
         if not signed:
-            key = self.mix(step.cast("s32") * self.s32(_GOLDEN) + self.s32(_wrap(salt)))
+            key = self.mix(step.cast("s32") * self.s32(_GOLDEN) + self.s32(_rng.wrap(salt)))
             noise = self.uniform(key, shape)
         if dtype == _U4:
             from mpfunc.state_formats import _quantize4

@@ -701,29 +701,24 @@ def check_writable(fn: str, sides: Sequence[Side], *, in_place: bool = True) -> 
                 overlaps = t.numel() > 1 and int(torch._debug_has_internal_overlap(t)) != 0
             else:
                 overlaps = not t.is_contiguous() and _overlaps_itself(t)
-            if overlaps and (t.is_xla or t.is_meta):
-                # XLA reports contiguous strides for every view and cannot tell an expanded
-                # tensor from a column slice: both are refused, said as such.
-                fail(
-                    ValueError,
-                    fn,
-                    side.path(i),
-                    "a tensor whose elements do not share memory",
-                    f"{describe(t)}, a view torch_xla cannot tell apart from an expanded "
-                    "tensor (a column slice, a stepped slice, a select or a diagonal of "
-                    "another tensor, or an expand)",
-                    "Pass .clone() of it: on XLA, leaves may be transposes or leading-row "
-                    "slices of other tensors, not other views",
-                )
             if overlaps:
-                fail(
-                    ValueError,
-                    fn,
-                    side.path(i),
-                    "a tensor whose elements do not share memory",
-                    f"{describe(t)} with strides {t.stride()}",
-                    "Pass .clone() of an expanded tensor",
-                )
+                if t.is_xla or t.is_meta:
+                    # XLA reports contiguous strides for every view and cannot tell an
+                    # expanded tensor from a column slice: both are refused, said as such.
+                    got = (
+                        f"{describe(t)}, a view torch_xla cannot tell apart from an expanded "
+                        "tensor (a column slice, a stepped slice, a select or a diagonal of "
+                        "another tensor, or an expand)"
+                    )
+                    hint = (
+                        "Pass .clone() of it: on XLA, leaves may be transposes or "
+                        "leading-row slices of other tensors, not other views"
+                    )
+                else:
+                    got = f"{describe(t)} with strides {t.stride()}"
+                    hint = "Pass .clone() of an expanded tensor"
+                expected = "a tensor whose elements do not share memory"
+                fail(ValueError, fn, side.path(i), expected, got, hint)
             if in_place and (t.is_neg() or t.is_conj() or (not inference and t.is_inference())):
                 _not_in_place(fn, side.path(i), t)
 

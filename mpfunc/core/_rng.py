@@ -51,7 +51,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(_shr(x, 16))
 
 
-def _wrap(v: int) -> int:
+def wrap(v: int) -> int:
     """A Python int as the int32 with the same low 32 bits."""
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= 1 << 31 else v
@@ -77,12 +77,7 @@ def key_for(seed: int, index: int, device: torch.device | str) -> torch.Tensor:
     seed %= 2**64
     low = ((seed * 0x9E3779B1 + index) & 0xFFFFFFFF) ^ _mix_int(seed >> 32)
     h = _mix_int(_mix_int(low) ^ (index & 0xFFFFFFFF))
-    return torch.tensor(_wrap(h), dtype=torch.int32, device=device)
-
-
-def wrap(v: int) -> int:
-    """A Python int as the int32 with the same low 32 bits."""
-    return _wrap(v)
+    return torch.tensor(wrap(h), dtype=torch.int32, device=device)
 
 
 def next_keys(keys: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -94,8 +89,7 @@ def advance(keys: list[torch.Tensor]) -> None:
     """Moves every key to its next value in place (a step's draws are then fresh)."""
     if not keys:
         return
-    nxt = [_mix(k.add(_GOLDEN)) for k in keys]
-    torch._foreach_copy_(keys, nxt)
+    torch._foreach_copy_(keys, next_keys(keys))
 
 
 # On lazy devices, the row length of the element index (see ``_index``).

@@ -881,17 +881,14 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        params, masters = state.pop("_pending", ([], []))
+        pending = state.pop("_pending", None)
         self.__dict__.update(state)
+        params, masters = pending or ([False] * len(self._params), [False] * len(self._masters))
         # A copy's params and masters are new tensors with their own version counters; a
-        # pending write stays pending (a recorded version the counter does not hold).
-        self._versions = [p._version - bool(w) for p, w in zip(self._params, params)]
-        self._versions += [p._version for p in self._params[len(self._versions) :]]
-        self._master_versions = [
-            -1 if not isinstance(m, torch.Tensor) else m._version - bool(w)
-            for m, w in zip(self._masters, masters)
-        ]
-        self._master_versions += [_version(m) for m in self._masters[len(self._master_versions) :]]
+        # pending write stays pending (a recorded version the counter does not hold; a
+        # unit's -1 is never pending).
+        self._versions = [p._version - w for p, w in zip(self._params, params)]
+        self._master_versions = [_version(m) - w for m, w in zip(self._masters, masters)]
 
     # --- step_in_backward=True ---------------------------------------------------------------
 

@@ -106,7 +106,7 @@ def keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:
     """The draw key of each leaf at this step: its step count (exact in fp32 below 2**24)
     mixed with a per-leaf salt. A Python-int salt traces as a constant: no transfer. On XLA
     the keys are mixed as one stacked vector (a few traced ops per leaf, not a dozen)."""
-    pre = [t.to(torch.int32).mul(_rng._GOLDEN).add_(_rng._wrap(s)) for t, s in zip(steps, salts)]
+    pre = [t.to(torch.int32).mul(_rng._GOLDEN).add_(_rng.wrap(s)) for t, s in zip(steps, salts)]
     if len(pre) > 1 and pre[0].device.type == "xla":
         return list(_rng._mix(torch.stack(pre)).unbind(0))
     return [_rng._mix(k) for k in pre]

@@ -18,8 +18,6 @@ repeated call with identical inputs (``_cache``) steps 1 to 3 are remembered.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -484,23 +482,13 @@ def _plan_and_run(fn: str, step: Step, state: Any, opt: Optimizer) -> None:
     _run_streams(step, work)
 
 
-def _run_streams(step: Step, work: list[Work]) -> None:
-    """``_run(work)``, with sharded ``"stochastic"`` keys offset per shard (``_shard_streams``)."""
-    salted = _salted_keys(step)
-    if not salted:
-        _run(work)
-        return
-    with _shard_streams(step, salted):
-        _run(work)
-
-
 # An odd int32 constant (MurmurHash3's c2) that spreads shard indices over the key space.
 _SHARD_SALT = 0x1B873593
 
 
-@contextlib.contextmanager
-def _shard_streams(step: Step, salted: list[tuple[torch.Tensor, int]]) -> Iterator[None]:
-    """Independent draws on each shard of a ``"stochastic"`` DTensor master (FSDP2).
+def _run_streams(step: Step, work: list[Work]) -> None:
+    """``_run(work)``, with independent draws on each shard of a ``"stochastic"`` DTensor
+    master (FSDP2).
 
     A leaf's draws hash the element's index within the tensor the kernel sees, which for a
     DTensor is the local shard: every rank drew the same bits for its element ``i``, so the
@@ -508,18 +496,20 @@ def _shard_streams(step: Step, salted: list[tuple[torch.Tensor, int]]) -> Iterat
     by its shard's index (from the mesh coordinates of the dims that shard it; ranks
     holding the same shard draw alike), and afterwards set to what the step does to a key
     (advanced unless skipped), so the stored stream is the unsharded one's. The draws are
-    independent across shards, not those of a single-process run. ``salted``: the keys
-    and their offsets (``_salted_keys``)."""
+    independent across shards, not those of a single-process run."""
+    salted = _salted_keys(step)
+    if not salted:
+        _run(work)
+        return
     keys = [k for k, _ in salted]
     held = [k.clone() for k in keys]
     for k, salt in salted:
         k.add_(salt)
     try:
-        yield
+        _run(work)
     finally:
-        nxt = _rng.next_keys(held)
         skip = step.skip
-        for k, old, new in zip(keys, held, nxt):
+        for k, old, new in zip(keys, held, _rng.next_keys(held)):
             k.copy_(new if skip is None else torch.where(skip.to(k.device), old, new))
 
 
