@@ -517,7 +517,7 @@ def _salted_keys(step: Step) -> list[tuple[torch.Tensor, int]]:
     if compiling():
         return []  # (DTensor steps are not traced)
     cls = _dtensor.dtensor_type()
-    if cls is None or not any(k is _strategy_stochastic.STRATEGY for k in step.kinds or ()):
+    if cls is None or _strategy_stochastic.STRATEGY not in (step.kinds or ()):
         return []
     out = []
     for x, k, g in zip(step.masters.leaves, step.kinds or (), step.grads.leaves):
