@@ -72,8 +72,14 @@ WORLD = 2
 WARMUP, STEPS = 2, 3
 # One graph per step holds every case. Each (call, dtype group) is one list all-reduce:
 # the mixed case has a bf16 and an fp32 group, and on XLA ``bucket_bytes`` is not used.
-CASES = ("mixed_fp32_mean", "fp16_sum", "bf16_inplace_fp32", "fp32_mean_small_buckets")
-ALL_REDUCES_PER_STEP = 5
+CASES = (
+    "mixed_fp32_mean",
+    "fp16_sum",
+    "bf16_inplace_fp32",
+    "fp32_mean_small_buckets",
+    "fp16_mean_near_max",
+)
+ALL_REDUCES_PER_STEP = 6
 
 
 def count(name: str) -> int:
@@ -103,6 +109,10 @@ def case_inputs(case: str, rank: int, step: int) -> Any:
         return {"w": r(4, 2, dtype=hf), "none": None, "b": (r(3, dtype=hf), r(2, 2, dtype=hf))}
     if case == "bf16_inplace_fp32":
         return [r(6, dtype=bf), None, {"k": r(2, 3, dtype=bf)}]
+    if case == "fp16_mean_near_max":
+        # Every participant's sum of two such grads overflows fp16; their mean does not.
+        big = torch.tensor([40000.0, -40000.0, 65504.0, 1.0]) * (1 + rank)
+        return {"h": big.clamp(-65504, 65504).to(hf), "small": r(3, dtype=hf)}
     return {"a": r(5, dtype=f), "b": r(4, 4, dtype=f), "c": None, "d": r(9, dtype=f)}
 
 
@@ -113,6 +123,8 @@ def run_case(case: str, grads: Any) -> Any:
         return mpfunc.all_reduce_grads(grads, op="sum")
     if case == "bf16_inplace_fp32":
         return mpfunc.all_reduce_grads_(grads, reduce_dtype=torch.float32)
+    if case == "fp16_mean_near_max":
+        return mpfunc.all_reduce_grads(grads)
     return mpfunc.all_reduce_grads(grads, bucket_bytes=16)
 
 
@@ -128,6 +140,12 @@ def reference(case: str, step: int, world: int) -> list[Any]:
         rdtype = (
             torch.float32 if case in ("mixed_fp32_mean", "bf16_inplace_fp32") else parts[0].dtype
         )
+        if case == "fp16_mean_near_max":  # fp16: each divided first, as DDP does
+            total = parts[0] / world
+            for p in parts[1:]:
+                total = total + p / world
+            out.append(total)
+            continue
         total = parts[0].to(rdtype)
         for p in parts[1:]:
             total = total + p.to(rdtype)

@@ -196,10 +196,16 @@ def _reduce_xla(
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
-    scale = 1.0 / xr.world_size() if op == "mean" else 1.0
+    world = xr.world_size()
+    # As on the eager path: an fp16 mean divides before the sum (torch_xla's ``scale``
+    # multiplies the sum, which two participants' grads near 65504 overflow to inf).
+    before = op == "mean" and rdtype == torch.float16 and world > 1
+    scale = 1.0 / world if op == "mean" and not before else 1.0
     tensors = [
         leaves[i].to(rdtype) if leaves[i].dtype != rdtype else leaves[i].clone() for i in idx
     ]
+    if before:
+        torch._foreach_div_(tensors, float(world))
     # A list all-reduce is one in-graph collective over all of them; no host sync.
     xm.all_reduce(xm.REDUCE_SUM, tensors, scale=scale)
     for i, t in zip(idx, tensors):
