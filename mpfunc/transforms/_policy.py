@@ -62,6 +62,15 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     )
 
 
+def _float8_names() -> list[str]:
+    """The float8 dtype names this torch has (``Policy.parse`` takes them too)."""
+    return sorted(
+        n
+        for n in dir(torch)
+        if n.startswith("float8") and isinstance(getattr(torch, n), torch.dtype)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A mixed-precision policy: the dtypes of params, of computation, and of outputs.
@@ -118,7 +127,7 @@ class Policy:
             if dtype is None:
                 raise ValueError(
                     f"Policy.parse: unknown dtype {name!r} for {key}; expected one of "
-                    f"{', '.join(_DTYPES)}"
+                    f"{', '.join([*_DTYPES, *_float8_names()])}"
                 )
             if field in values:
                 raise ValueError(f"Policy.parse: {key!r} is given twice in {spec!r}")
