@@ -764,3 +764,43 @@ def test_fault_injection_fp16_dynamic_scaling(device: torch.device, name: str) -
     last_bad = max(i for i, e in enumerate(log) if e["fault"])
     assert len(log) - last_bad - 1 >= 3
     assert scales[last_bad + 3] == 2 * scales[last_bad]
+
+
+# --- a saved scale that would silence training ------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, 0.0, -2.0, math.inf, -0.0])
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_loading_a_scale_that_is_not_finite_and_positive_is_refused(
+    bad: float, kind: str, tmp_path: Any
+) -> None:
+    """A NaN, infinite, zero or negative loss scale from a checkpoint would make every
+    step's grads NaN or zero with no error: every load path refuses it by its key before
+    writing anything (bits and versions unchanged)."""
+    scale = mpfunc.StaticLossScale(8.0) if kind == "static" else mpfunc.DynamicLossScale(8.0)
+    tree = {"scale": scale, "w": torch.arange(3.0)}
+    sd = mpfunc.state_dict(tree)
+    sd = {k: v.clone() for k, v in sd.items()}
+    sd["w"] = sd["w"] + 1
+    sd["scale.loss_scale"] = torch.tensor(bad)
+    message = rf"'scale\.loss_scale': expected a loss scale that is finite and > 0, got {bad}"
+    snap = snapshot(tree)
+    with pytest.raises(ValueError, match=message):
+        mpfunc.load_state_dict_(tree, sd)
+    assert_unchanged(tree, snap)
+    with pytest.raises(ValueError, match=message):
+        mpfunc.load_state_dict(tree, sd)
+    # A file written from a scale that went bad (its checksums are right).
+    saved = copy.deepcopy(tree)
+    with torch.no_grad():
+        saved["scale"].loss_scale.fill_(bad)
+    path = tmp_path / "ckpt.pt"
+    mpfunc.save(path, saved)
+    with pytest.raises(ValueError, match=message):
+        mpfunc.load_(path, tree)
+    assert_unchanged(tree, snap)
+    with pytest.raises(ValueError, match=message):
+        mpfunc.load(path, tree)
+    # a good scale loads
+    out = mpfunc.load_state_dict(tree, {**sd, "scale.loss_scale": torch.tensor(2.0)})
+    assert float(out["scale"].loss_scale) == 2.0

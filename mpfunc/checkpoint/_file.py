@@ -321,7 +321,7 @@ def load(path: PathLike, like: Any, *, unverified: bool = False) -> Any:
     keys, leaves, spec = _keyed_leaves(fn, like)
     wanted = {k: t for k, t in zip(keys, leaves) if k is not None}
     where, sd = _read(fn, where, wanted, unverified)
-    sd = _check_values(fn, repr(where), keys, leaves, _check_file_sd(fn, where, sd))
+    sd = _check_values(fn, repr(where), keys, leaves, _check_file_sd(fn, where, sd), tree=like)
     return _fresh(keys, leaves, spec, sd)
 
 
@@ -359,7 +359,9 @@ def load_(path: PathLike, tree: Any, *, unverified: bool = False) -> Any:
     keys, leaves, _ = _keyed_leaves(fn, tree)
     wanted = {k: t for k, t in zip(keys, leaves) if k is not None}
     where, sd = _read(fn, where, wanted, unverified)
-    sd = _check_values(fn, repr(where), keys, leaves, _check_file_sd(fn, where, sd), in_place=True)
+    sd = _check_values(
+        fn, repr(where), keys, leaves, _check_file_sd(fn, where, sd), in_place=True, tree=tree
+    )
     _write_into(fn, keys, leaves, sd)
     return tree
 

@@ -14,6 +14,7 @@ import bisect
 import ctypes
 import heapq
 import json
+import math
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,7 @@ from mpfunc.core import _checks, _dtensor, _tree
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder, _strategy
 from mpfunc.strategies._strategy_remainder import RemainderMaster
+from mpfunc.transforms import _loss_scale
 
 __all__ = [
     "load_state_dict",
@@ -145,10 +147,12 @@ def _check_values(
     sd: dict[str, torch.Tensor],
     *,
     in_place: bool = False,
+    tree: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Every check between a tree and a state dict: the manifest when present, then keys,
-    shapes, dtypes and kinds, all problems listed together (``in_place``: the tree's
-    leaves are to be written). Returns the dict without its manifest."""
+    shapes, dtypes and kinds, and the values of ``tree``'s loss scales, all problems listed
+    together (``in_place``: the tree's leaves are to be written). Returns the dict without
+    its manifest."""
     sd = _verify_manifest(fn, where, sd)
     wanted = {k: t for k, t in zip(keys, leaves) if k is not None}
     problems = _problems(wanted, {k: (tuple(v.shape), v.dtype) for k, v in sd.items()})
@@ -168,8 +172,27 @@ def _check_values(
         why = None if v is None else _kind_problem(v, plain=True)
         if why is not None:
             problems.append(f"{k!r}: expected {why[0]}, got {why[1]}")
+    problems += _scale_problems(tree, keys, leaves, sd)
     _raise_problems(fn, where, problems)
     return sd
+
+
+def _scale_problems(
+    tree: Any, keys: list[str | None], leaves: list[Any], sd: dict[str, torch.Tensor]
+) -> list[str]:
+    """A saved loss scale that is NaN, infinite, zero or negative: loaded, it would make
+    every step's grads NaN or zero with no error. Checked where the value is on the host
+    (a file's, a CPU state dict's); a value on a device is not read (a host sync)."""
+    scales = {id(s.loss_scale) for s in _loss_scale.scales_in(tree)} if tree is not None else ()
+    problems = []
+    for k, t in zip(keys, leaves):
+        v = sd.get(k) if k is not None and id(t) in scales else None
+        if v is None or v.device.type != "cpu" or v.numel() != 1 or not v.is_floating_point():
+            continue
+        x = float(v)
+        if not (math.isfinite(x) and x > 0):
+            problems.append(f"{k!r}: expected a loss scale that is finite and > 0, got {x}")
+    return problems
 
 
 def state_dict(tree: Any) -> dict[str, torch.Tensor]:
@@ -217,7 +240,7 @@ def load_state_dict(like: Any, sd: dict[str, torch.Tensor]) -> Any:
     fn = "load_state_dict"
     sd = _check_sd(fn, sd)
     keys, leaves, spec = _keyed_leaves(fn, like)
-    sd = _check_values(fn, "the state dict", keys, leaves, sd)
+    sd = _check_values(fn, "the state dict", keys, leaves, sd, tree=like)
     return _fresh(keys, leaves, spec, sd)
 
 
@@ -260,7 +283,7 @@ def load_state_dict_(tree: Any, sd: dict[str, torch.Tensor]) -> Any:
     fn = "load_state_dict_"
     sd = _check_sd(fn, sd)
     keys, leaves, _ = _keyed_leaves(fn, tree)
-    sd = _check_values(fn, "the state dict", keys, leaves, sd, in_place=True)
+    sd = _check_values(fn, "the state dict", keys, leaves, sd, in_place=True, tree=tree)
     _write_into(fn, keys, leaves, sd)
     return tree
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar, Union
 
+import optree
 import torch
 
 from mpfunc.core import _checks, _tree
@@ -228,6 +229,15 @@ class DynamicLossScale:
         return _replace(
             self, loss_scale=self.loss_scale.to(device), counter=self.counter.to(device)
         )
+
+
+def scales_in(tree: Any) -> list[Union[StaticLossScale, DynamicLossScale]]:
+    """Every loss scale in ``tree`` (for the checkpoint's checks of loaded values)."""
+    kinds = (StaticLossScale, DynamicLossScale)
+    found = optree.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, kinds), none_is_leaf=True, namespace=_tree.NAMESPACE
+    )
+    return [x for x in found if isinstance(x, kinds)]
 
 
 _tree.register_dataclass(StaticLossScale, children=("loss_scale",))
