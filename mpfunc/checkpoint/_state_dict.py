@@ -25,7 +25,6 @@ from mpfunc.core import _checks, _dtensor, _tree
 from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder, _strategy
 from mpfunc.strategies._strategy_remainder import RemainderMaster
-from mpfunc.transforms import _loss_scale
 
 __all__ = [
     "load_state_dict",
@@ -183,7 +182,7 @@ def _scale_problems(
     """A saved loss scale that is NaN, infinite, zero or negative: loaded, it would make
     every step's grads NaN or zero with no error. Checked where the value is on the host
     (a file's, a CPU state dict's); a value on a device is not read (a host sync)."""
-    scales = {id(s.loss_scale) for s in _loss_scale.scales_in(tree)} if tree is not None else ()
+    scales = {id(t) for t in _tree.positives(tree)} if tree is not None else set()
     problems = []
     for k, t in zip(keys, leaves):
         v = sd.get(k) if k is not None and id(t) in scales else None

@@ -324,19 +324,29 @@ def leaf_path(tree: Any, index: int, prefix: str = "", *, units: bool = False) -
     return leaf_paths(tree, prefix, units=units)[index]
 
 
-def register_dataclass(cls: type, /, *, children: Sequence[str]) -> None:
+# Children of registered dataclasses that must hold a finite value > 0 (a loss scale's
+# ``loss_scale``), by class: checkpoints refuse a saved value that is not (``positives``).
+_POSITIVE: dict[type, tuple[str, ...]] = {}
+
+
+def register_dataclass(
+    cls: type, /, *, children: Sequence[str], positive: Sequence[str] = ()
+) -> None:
     """Makes the frozen dataclass ``cls`` a node of mpfunc's trees (in ``NAMESPACE``).
 
     The fields named in ``children`` (its tensors) are the node's children, in that
     order; every other field rides in the spec as metadata, so each field survives
     flatten/unflatten. Unflatten builds the object as ``pickle`` and ``copy`` do
     (``__new__``, then ``__dict__``), never through ``__init__``: the children may be
-    whatever a tree map returned.
+    whatever a tree map returned. ``positive``: children whose value must be finite and
+    > 0 (``positives``).
     """
     names = tuple(children)
     fields = [f.name for f in dataclasses.fields(cls)]
-    if not set(names) <= set(fields):
+    if not set(names) <= set(fields) or not set(positive) <= set(names):
         raise TypeError(f"register_dataclass: {names} are not all fields of {cls.__name__}")
+    if positive:
+        _POSITIVE[cls] = tuple(positive)
     meta = tuple(n for n in fields if n not in names)
 
     def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
@@ -349,3 +359,15 @@ def register_dataclass(cls: type, /, *, children: Sequence[str]) -> None:
         return obj
 
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+
+
+def positives(tree: Any) -> list[Any]:
+    """The tensors of ``tree`` that a registered dataclass declares must be finite and > 0
+    (``register_dataclass(positive=)``), for the checkpoint's checks of loaded values."""
+    if not _POSITIVE:
+        return []
+    kinds = tuple(_POSITIVE)
+    nodes = optree.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, kinds), none_is_leaf=True, namespace=NAMESPACE
+    )
+    return [getattr(x, n) for x in nodes if isinstance(x, kinds) for n in _POSITIVE[type(x)]]

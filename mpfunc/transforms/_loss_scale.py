@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar, Union
 
-import optree
 import torch
 
 from mpfunc.core import _checks, _tree
@@ -231,17 +230,10 @@ class DynamicLossScale:
         )
 
 
-def scales_in(tree: Any) -> list[Union[StaticLossScale, DynamicLossScale]]:
-    """Every loss scale in ``tree`` (for the checkpoint's checks of loaded values)."""
-    kinds = (StaticLossScale, DynamicLossScale)
-    found = optree.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, kinds), none_is_leaf=True, namespace=_tree.NAMESPACE
-    )
-    return [x for x in found if isinstance(x, kinds)]
-
-
-_tree.register_dataclass(StaticLossScale, children=("loss_scale",))
-_tree.register_dataclass(DynamicLossScale, children=("loss_scale", "counter"))
+_tree.register_dataclass(StaticLossScale, children=("loss_scale",), positive=("loss_scale",))
+_tree.register_dataclass(
+    DynamicLossScale, children=("loss_scale", "counter"), positive=("loss_scale",)
+)
 # Frozen dataclasses of tensors and numbers: safe for torch.load(weights_only=True).
 torch.serialization.add_safe_globals([StaticLossScale, DynamicLossScale])
 
