@@ -145,8 +145,8 @@ def _check_values(
     leaves: list[Any],
     sd: dict[str, torch.Tensor],
     *,
+    tree: Any,
     in_place: bool = False,
-    tree: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Every check between a tree and a state dict: the manifest when present, then keys,
     shapes, dtypes and kinds, and the values of ``tree``'s loss scales, all problems listed
@@ -182,7 +182,7 @@ def _scale_problems(
     """A saved loss scale that is NaN, infinite, zero or negative: loaded, it would make
     every step's grads NaN or zero with no error. Checked where the value is on the host
     (a file's, a CPU state dict's); a value on a device is not read (a host sync)."""
-    scales = {id(t) for t in _tree.positives(tree)} if tree is not None else set()
+    scales = {id(t) for t in _tree.positives(tree)}
     problems = []
     for k, t in zip(keys, leaves):
         v = sd.get(k) if k is not None and id(t) in scales else None

@@ -343,8 +343,10 @@ def register_dataclass(
     """
     names = tuple(children)
     fields = [f.name for f in dataclasses.fields(cls)]
-    if not set(names) <= set(fields) or not set(positive) <= set(names):
+    if not set(names) <= set(fields):
         raise TypeError(f"register_dataclass: {names} are not all fields of {cls.__name__}")
+    if not set(positive) <= set(names):
+        raise TypeError(f"register_dataclass: positive {tuple(positive)} are not all in {names}")
     if positive:
         _POSITIVE[cls] = tuple(positive)
     meta = tuple(n for n in fields if n not in names)
