@@ -355,15 +355,15 @@ def _build_xla(h: AdamHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]
         shape = group.shapes[i]
         draw = (s1, group.salts[i] if group.salts else 0, shape)
         m, v = b.widen(m0, md, shape), b.widen(v0, md, shape)
-        m1 = b.keep(skip, m, m + w1 * (g - m))
-        v1 = b.keep(skip, v, v * beta2 + (g * g) * w2)
+        m1 = b.once(b.keep(skip, m, m + w1 * (g - m)), md, shape)
+        v1 = b.once(b.keep(skip, v, v * beta2 + (g * g) * w2), md, shape)
         vm1 = None
         if vm0 is not None:
             vm = b.widen(vm0, md, shape)
             # XLA:CPU's max drops a NaN second operand (torch's CPU maximum propagates
             # either): vm + v1 is NaN where either is.
             nan = (vm != vm) | (v1 != v1)
-            vm1 = b.keep(skip, vm, nan.select(vm + v1, vm.max(v1)))
+            vm1 = b.once(b.keep(skip, vm, nan.select(vm + v1, vm.max(v1))), md, shape)
         vd = v1 if vm1 is None else vm1
         c2 = (-((s1 * ln_b2).expm1())).sqrt()
         c1 = (one / (s1 * ln_b1).expm1()) * lr

@@ -155,7 +155,7 @@ def _build_xla(h: LionHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]
         c = m + w1 * (g - m)
         direction = b.sign(c)
         master = b.store(skip, group, i, unit, p1 - direction * lr)
-        m1 = b.keep(skip, m, m + w2 * (g - m))
+        m1 = b.once(b.keep(skip, m, m + w2 * (g - m)), md, shape)
         draw = (s1, group.salts[i] if group.salts else 0, shape)
         new = [*b.narrow(skip, m0, m1, md, draw), s1]
         outs.extend(master + new + b.round_out(skip, old_low, master[0], low))

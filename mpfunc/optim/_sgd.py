@@ -187,6 +187,7 @@ def _build_xla(h: SGDHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...])
             # 0 on the first step, then 1: the buffer starts at zero, so step 1 gives g.
             coef = s.min(one) * neg_damp + one if h.dampening != 0 else None
             buf1 = b.keep(skip, buf, buf * mom + (g if coef is None else g * coef))
+            buf1 = b.once(buf1, md, shape)
             g = g + buf1 * mom if h.nesterov else buf1
             new += b.narrow(skip, buf0, buf1, md, draw)
         master = b.store(skip, group, i, unit, q - g * lr)

@@ -571,36 +571,32 @@ def quantize4_list_(
 # ``decode_ops`` and ``encode_ops`` build this module's ``dequantize4`` and ``_encode`` +
 # ``_pack`` of one leaf inside an ``xla_builder`` computation, op for op, so the node gives
 # the torch path's bits. ``b`` is the node's builder helper (``_xla_kernels._B``): its
-# ``xb``, ``builder``, fp32/s32 constants (``f32``, ``s32``), ``abs``, ``flush`` (this
-# module's ``_flush``), ``rne`` (``torch.round``), ``shr`` (a logical right shift of s32)
-# and ``per_element`` (a per-block value repeated for each element, blocks of 32).
+# ``xb``, ``builder``, fp32/s32 constants (``f32``, ``s32``), ``flush`` (this module's
+# ``_flush``), ``entry`` (a decode table's value of a code, by one division), ``codes``
+# (the companded block encoder both formats share, given the levels) and ``per_element``
+# (a per-block value repeated for each element, blocks of 32).
 # Operands are ``xla_builder.Op``s.
-
-
-def _table_op(b: Any, signed: bool) -> Any:
-    k = ("q4_table", signed)
-    if k not in b._consts:
-        b._consts[k] = b.xb.Op.constant(b.builder, _TABLE_CPU[signed])
-    return b._consts[k]
-
-
-def _lookup_op(b: Any, signed: bool, idx: Any, n: int) -> Any:
-    """The decode table at s32 nibbles ``idx`` of shape ``(n,)`` (``index_select``)."""
-    dims = {"offset_dims": [], "collapsed_slice_dims": [0], "start_index_map": [0]}
-    operands = (_table_op(b, signed).op, idx.reshape([n, 1]).op)
-    return b.xb.mkop("Gather", operands, index_vector_dim=1, slice_sizes=[1], **dims)
 
 
 def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: bool) -> Any:
     """``dequantize4`` of one leaf: packed ``codes`` (``(packed_bytes(n),)``, s8 or u8) and
-    bf16 ``scale`` (``(blocks(n),)``) -> its fp32 moment of ``shape``."""
+    bf16 ``scale`` (``(blocks(n),)``) -> its fp32 moment of ``shape``.
+
+    The bytes are unpacked without strided slices or a concatenation, which XLA:CPU
+    compiles to a scalar loop: each byte widened to 16 bits as ``low | high << 8`` and
+    bitcast to two bytes (little-endian: the low nibble first)."""
     n = math.prod(shape)
     n_bytes = packed_bytes(n)
-    byte = codes.cast("s32") & b.s32(255)  # (_unpack) int8 bytes back to 0..255
-    low = (byte & b.s32(15)).reshape([n_bytes, 1])
-    high = b.shr(byte, 4).reshape([n_bytes, 1])
-    nib = b.xb.Op.concat_in_dim([low, high], 1, builder=b.builder).reshape([2 * n_bytes])
-    vals = _lookup_op(b, signed, nib.slice_in_dim(0, n, 0), n)
+    u16 = codes.bitcast("u8").cast("u16")
+    pair = (u16 & _u16(b, 15)) | ((u16 & _u16(b, 0xF0)) * _u16(b, 16))
+    nib = pair.bitcast("u8").reshape([2 * n_bytes]).slice_in_dim(0, n, 0).cast("s32")
+    if signed:
+        k = (nib > b.s32(7)).select(nib - b.s32(16), nib)
+        vals = b.entry(k, 2.0 * _S_LEVELS)
+        vals = (k == b.s32(_S_NAN)).select(vals.scalar_like(math.nan), vals)
+    else:
+        vals = b.entry(nib, 2.0 * _U_LEVELS)
+        vals = (nib == b.s32(_U_NAN)).select(vals.scalar_like(math.inf), vals)
     s = scale.cast("f32")
     if not signed:
         s = s.max(b.f32(_TINY))
@@ -610,13 +606,21 @@ def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: boo
     return b.flush(y).reshape(list(shape))
 
 
+def _u16(b: Any, value: int) -> Any:
+    k = ("u16", value)
+    if k not in b._consts:
+        b._consts[k] = b.xb.Op.scalar(b.builder, value, dtype="u16")
+    return b._consts[k]
+
+
 def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -> tuple[Any, Any]:
     """``_encode`` and ``_pack`` of one leaf's fp32 values ``x`` (of ``shape``; ``noise``:
     ``None`` or fp32 draws of ``shape``): its packed codes (s8 signed, u8 unsigned) and
-    bf16 block scales. Blocks are zero-padded, as ``_as_blocks`` pads them."""
+    bf16 block scales. Blocks are zero-padded, as ``_as_blocks`` pads them. The codes are
+    the 8-bit encoder's (``Builder.codes``) with this format's levels; two a byte, packed
+    by a bitcast of byte pairs to 16 bits (strided slices were 5x slower on XLA:CPU)."""
     n = math.prod(shape)
     nb = blocks(n)
-    tiny, zero, one = b.f32(_TINY), b.f32(0.0), b.f32(1.0)
 
     def as_blocks(v: Any) -> Any:
         flat = v.reshape([n])
@@ -625,42 +629,11 @@ def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -
             flat = b.xb.Op.concat_in_dim([flat, pad], 0, builder=b.builder)
         return flat.reshape([nb, BLOCK])
 
-    xb = as_blocks(x)
-    ok = (xb - xb) == zero  # isfinite
-    if not signed:
-        ok = ok & (xb > -tiny)
-    keep = ok & (b.abs(xb) >= tiny)
-    vals = keep.select(xb, xb.zeros_like())
-    if not signed:
-        vals = vals.sqrt()
-    amax = b.abs(vals).reduce(b.f32(-math.inf), lambda p, q: p.max(q), [1])
-    scale = amax.min(b.f32(_BF16_MAX)).cast("bf16")
-    s = scale.cast("f32")
-    den = (s > zero).select(s, s.ones_like()).broadcast_in_dim([nb, BLOCK], [0])
-    y = b.flush(vals / den)
-    t = (y + y) / (b.abs(y) + one)
-    levels, low = (_S_LEVELS, -_S_LEVELS) if signed else (_U_LEVELS, 0)
-    if noise is None:
-        code = b.rne(t * b.f32(levels)).max(b.f32(low)).min(b.f32(levels)).cast("s32")
-    else:  # (_round_stochastic)
-        lo = (t * b.f32(levels)).floor().max(b.f32(low)).min(b.f32(levels - 1)).cast("s32")
-        lo = lo.reshape([nb * BLOCK])
-        fifteen = b.s32(15)
-        lo_v = _lookup_op(b, signed, lo & fifteen, nb * BLOCK).reshape([nb, BLOCK])
-        hi_v = _lookup_op(b, signed, (lo + b.s32(1)) & fifteen, nb * BLOCK).reshape([nb, BLOCK])
-        value = y
-        if not signed:
-            value, lo_v, hi_v = b.flush(y * y), lo_v * lo_v, hi_v * hi_v
-        up = as_blocks(noise) < (value - lo_v) / (hi_v - lo_v)
-        code = lo.reshape([nb, BLOCK]) + up.cast("s32")
-    if not signed:
-        code = keep.select(code.max(b.s32(1)), code)
-    code = ok.select(code, code.scalar_like(_S_NAN if signed else _U_NAN))
+    levels = _S_LEVELS if signed else _U_LEVELS
+    draws = None if noise is None else as_blocks(noise)
+    code, scale = b.codes(as_blocks(x), signed, levels, draws)
     # (_pack) two nibbles a byte, low nibble first; the padding's codes are 0.
-    nib = (code & b.s32(15)).reshape([nb * BLOCK])
-    byte = nib.slice_in_dim(0, nb * BLOCK, 0, stride=2)
-    byte = byte + nib.slice_in_dim(1, nb * BLOCK, 0, stride=2) * b.s32(16)
-    byte = byte.slice_in_dim(0, packed_bytes(n), 0)
-    if signed:  # the same bits as int8, without relying on a narrowing convert's wrap
-        byte = (byte > b.s32(127)).select(byte - b.s32(256), byte)
-    return byte.cast("s8" if signed else "u8"), scale
+    pair = (code & b.s32(15)).cast("u8").reshape([nb * BLOCK // 2, 2]).bitcast("u16")
+    byte = (pair & _u16(b, 15)) | ((pair / _u16(b, 16)) & _u16(b, 0xF0))
+    byte = byte.cast("u8").slice_in_dim(0, packed_bytes(n), 0)
+    return (byte.bitcast("s8") if signed else byte), scale
