@@ -40,12 +40,17 @@ join and split, by bitcasts), ``"stochastic"`` (``_rng``'s counter-based hash of
 and the row-major element index in wrapping s32 arithmetic, the truncation rounding of
 ``_strategy_stochastic``, and the key's advance), bf16 moments (widened, rounded to
 nearest even, their old bits kept where skipped) and 8-bit moments (``_quantize``'s
-decode by table gathers and its blockwise encode, the second moment rounded
-stochastically with ``_state_format``'s draws keyed on the step count and the leaf's
-salt) and 4-bit moments (``_quantize4``'s ``decode_ops``/``encode_ops``: the same rules,
-codes packed two a byte). Adam/AdamW on every such pair give the foreach path's bits
-(tests/test_xla_kernels.py); the one caveat is the fused multiply-add above, which shows
-in a remainder's low half as it does in an fp32 master.
+decode and its blockwise encode, the second moment rounded stochastically with
+``_state_format``'s draws keyed on the step count and the leaf's salt) and 4-bit moments
+(``_quantize4``'s ``decode_ops``/``encode_ops``: the same rules, codes packed two a byte).
+Adam/AdamW on every such pair give the foreach path's bits (tests/test_xla_kernels.py);
+the one caveat is the fused multiply-add above, which shows in a remainder's low half as
+it does in an fp32 master.
+
+The codec is the torch path's bits (tests/test_xla_codec.py) but not its ops: it is
+written for XLA:CPU's code generator (``Builder.codes``, ``entry``, ``once``), where the
+torch path's op-for-op form ran 2-3x slower (table gathers, a stored array of square
+roots, strided nibble packing, the optimizer's math recomputed inside each codec fusion).
 
 Also folded into the node, to cut host time further:
 
