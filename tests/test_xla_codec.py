@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import optree
 import pytest
 import torch
 from hypothesis import given, settings
@@ -151,3 +152,46 @@ def test_decode_is_the_torch_paths_bits(xla_device: torch.device, bits: int, dat
         want = _quantize4.dequantize4(_quantize4.Q4State(codes, scale), shape)
     (got,) = _run(("decode", bits, signed, False, shape), [codes, scale], xla_device)
     assert _same(got, want), (bits, signed)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.uint8, torch.uint4], ids=["uint8", "uint4"])  # type: ignore[attr-defined]
+@pytest.mark.parametrize("strategy", ["remainder", "kahan", "stochastic"])
+def test_barriers_change_no_result(
+    xla_device: torch.device, monkeypatch: pytest.MonkeyPatch, strategy: str, state_dtype: Any
+) -> None:
+    """The node stores new encoded moments (and a remainder's or Kahan master) once between
+    fusions on XLA:CPU only (``Builder.barrier``); without the barriers, as it is built for
+    a TPU or GPU, three AdamW steps give the same state, bit for bit, but for the last bit
+    of an fp32 master (a remainder's low half: XLA:CPU contracts ``a * b + c`` where both
+    land in one fusion, as test_xla_kernels.py states for every pair)."""
+    import mpfunc
+    from mpfunc.strategies import _remainder
+
+    def run(device_type: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(_xla_kernels, "_device_type", lambda: device_type)
+        _xla_kernels.clear_cache()
+        gen = torch.Generator().manual_seed(3)
+        params = {"w": torch.randn(4, 16, generator=gen).bfloat16().to(xla_device)}
+        masters = mpfunc.init_master(params, strategy=strategy)
+        opt = mpfunc.adamw(1e-2, weight_decay=0.1, state_dtype=state_dtype)
+        state = opt.init(masters)
+        for _ in range(3):
+            grads = {"w": torch.randn(4, 16, generator=gen).bfloat16().to(xla_device)}
+            mpfunc.apply_update_(masters, grads, state, opt)
+        return [t.cpu() for t in _flat((masters, state))]
+
+    try:
+        with_barriers, without = run("CPU"), run("TPU")
+    finally:
+        _xla_kernels.clear_cache()
+    for i, (a, b) in enumerate(zip(with_barriers, without, strict=True)):
+        if a.dtype == torch.int16:  # a remainder: the fp32 master it makes with its param
+            a = _remainder.join(with_barriers[i - 1], a, with_barriers[i + 1])
+            b = _remainder.join(without[i - 1], b, without[i + 1])
+            assert float((a - b).abs().max()) <= 2.0**-22 * float(b.abs().max())
+            continue
+        assert _same(a, b), (i, a.dtype)
+
+
+def _flat(tree: Any) -> list[torch.Tensor]:
+    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]

@@ -107,6 +107,13 @@ def _xb() -> Any:
     return xb
 
 
+def _device_type() -> str:
+    """The process's PJRT device type ("CPU", "TPU", "CUDA", ...)."""
+    import torch_xla.runtime as xr
+
+    return str(xr.device_type())
+
+
 def _xlac() -> Any:
     import torch_xla
 
@@ -562,6 +569,9 @@ class _B:
         self.n = 0
         self._consts: dict[tuple[Any, ...], Any] = {}
         self._signed: dict[int, bool] = {}  # id of an 8-bit codes parameter -> its map
+        # ``barrier`` is for XLA:CPU's fusion (measured there); elsewhere (TPU, GPU: XLA
+        # fuses differently, and a stored array is memory traffic) values stay fused.
+        self.barriers = _device_type() == "CPU"
 
     def param(self, shape: Sequence[int], dtype: torch.dtype) -> Any:
         op = self.xb.mkparam(self.builder, self.n, self.xb.mkshape(_type(dtype), tuple(shape)))
@@ -741,13 +751,17 @@ class _B:
         moment's arithmetic) inside each: without this, an AdamW step's device time on 51
         leaves of 256 x 256 was 2.1x (8-bit) and 1.7x (4-bit) what it is. The builder has
         no optimization barrier; an identity gather (indices ``0..n-1``) is one that XLA
-        keeps, and gives the same bits."""
+        keeps, and gives the same bits. Only on XLA:CPU, where it was measured: on a TPU or
+        GPU, XLA's fusion differs and the stored array would be extra memory traffic."""
         if dtype not in _CODES_EXTENT:
             return x
         return self.barrier(x, shape)
 
     def barrier(self, x: Any, shape: Sequence[int]) -> Any:
-        """``x`` (of ``shape``), stored once between XLA's fusions (an identity gather)."""
+        """``x`` (of ``shape``), stored once between XLA's fusions (an identity gather), on
+        XLA:CPU only (``barriers``); else ``x``."""
+        if not self.barriers:
+            return x
         n = math.prod(shape)
         idx = self.xb.Op.iota(self.builder, self.xb.mkshape("s32", (n, 1)), 0)
         dims = {"offset_dims": [], "collapsed_slice_dims": [0], "start_index_map": [0]}
