@@ -772,18 +772,6 @@ class _B:
     def abs(self, x: Any) -> Any:
         return self.xb.mkop("Abs", (x.op,))
 
-    def materialize(self, x: Any, shape: Sequence[int]) -> Any:
-        import os
-
-        if not os.environ.get("EXP_MAT"):
-            return x
-        n = math.prod(shape)
-        idx = self.xb.Op.iota(self.builder, self.xb.mkshape("s32", (n, 1)), 0)
-        dims = {"offset_dims": [], "collapsed_slice_dims": [0], "start_index_map": [0]}
-        operands = (x.reshape([n]).op, idx.op)
-        g = self.xb.mkop("Gather", operands, index_vector_dim=1, slice_sizes=[1], **dims)
-        return g.reshape(list(shape))
-
     def flush(self, x: Any) -> Any:
         """``_quantize._flush``: magnitudes below fp32's smallest normal read as 0."""
         return (self.abs(x) < self.f32(2.0**-126)).select(x.zeros_like(), x)
