@@ -732,7 +732,7 @@ class _B:
             c, sc = self.encode(new, signed, noise, shape)
         return [self.keep(skip, codes, c), self.keep(skip, scale, sc)]
 
-    # --- the 8-bit codec (_quantize), on one leaf's elements in row-major order ---------
+    # --- the 8-bit codec (_quantize) and the block code 4-bit shares, one leaf at a time ---
 
     def entry(self, k: Any, twice_levels: float) -> Any:
         """The decode table's value of s32 codes ``k`` (not the marks): ``k / (2L - |k|)``
@@ -833,13 +833,12 @@ class _B:
         non-finite values) and the bf16 block scales ``(nb,)``. ``draws``: ``None`` (to
         nearest) or fp32 draws in [0, 1) shaped like ``xb`` (stochastic).
 
-        The same bits as the torch path, written for XLA:CPU's code generator, which made
-        the first version 2-4x slower than its operations' cost: the unsigned block scale
-        is ``sqrt`` of the block's largest kept value, equal to the largest ``sqrt`` (a
-        correctly rounded ``sqrt`` is monotonic), so no fp32 array of square roots is
-        stored between the reduction and the codes and each mask is computed where it is
-        used; the table's neighbours of a stochastic code are ``entry`` divisions, not
-        gathers."""
+        The torch path's bits in a form XLA:CPU compiles to vector loops (the op-for-op form
+        took 2x as long): the unsigned block scale is ``sqrt`` of the block's largest kept
+        value, equal to the largest ``sqrt`` (a correctly rounded ``sqrt`` is monotonic), so
+        no fp32 array of square roots is stored between the reduction and the codes; each
+        mask is computed where it is used; a stochastic code's two table neighbours are
+        ``entry`` divisions, not gathers."""
         from mpfunc.state_formats._quantize import BF16_MAX
 
         tiny, zero, one = self.f32(2.0**-126), self.f32(0.0), self.f32(1.0)
