@@ -37,12 +37,13 @@ _COMPUTATIONS: dict[tuple[Any, ...], Any] = {}
 
 
 def _computation(key: tuple[Any, ...]) -> Any:
-    """One cached builder computation per (what, bits, signed, stochastic, shape)."""
+    """One cached builder computation per (forms, what, bits, signed, stochastic, shape)."""
     comp = _COMPUTATIONS.get(key)
     if comp is not None:
         return comp
-    what, bits, signed, stochastic, shape = key
+    forms, what, bits, signed, stochastic, shape = key
     b = _xla_kernels.Builder("codec")
+    b.cpu_forms = forms == "cpu"
     n = math.prod(shape)
     if what == "encode":
         x = b.param(shape, F32)
@@ -99,10 +100,17 @@ def _values(draw: Any, n: int) -> torch.Tensor:
     return x
 
 
+# The node's forms for XLA:CPU (bitcast nibble packing) and for other devices and SPMD.
+FORMS = ["cpu", "plain"]
+
+
+@pytest.mark.parametrize("forms", FORMS)
 @pytest.mark.parametrize("bits", [8, 4])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_encode_is_the_torch_paths_bits(xla_device: torch.device, bits: int, data: Any) -> None:
+def test_encode_is_the_torch_paths_bits(
+    xla_device: torch.device, bits: int, forms: str, data: Any
+) -> None:
     shape = data.draw(st.sampled_from(SHAPES))
     signed, stochastic = data.draw(st.booleans()), data.draw(st.booleans())
     n = math.prod(shape)
@@ -112,7 +120,7 @@ def test_encode_is_the_torch_paths_bits(xla_device: torch.device, bits: int, dat
     if stochastic:  # draws at the boundaries too
         noise.view(-1)[:3] = torch.tensor([0.0, 0.5, 1.0 - 2.0**-24])
     inputs = [x, noise] if stochastic else [x]
-    got = _run(("encode", bits, signed, stochastic, shape), inputs, xla_device)
+    got = _run((forms, "encode", bits, signed, stochastic, shape), inputs, xla_device)
     quantize = _quantize.quantize if bits == 8 else _quantize4.quantize4
     want = quantize(x, signed, noise=noise if stochastic else None)
     assert _same(got[0], want.codes), (bits, signed, stochastic)
@@ -126,10 +134,13 @@ def _scales(draw: Any, nb: int) -> torch.Tensor:
     return scale.bfloat16()
 
 
+@pytest.mark.parametrize("forms", FORMS)
 @pytest.mark.parametrize("bits", [8, 4])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_decode_is_the_torch_paths_bits(xla_device: torch.device, bits: int, data: Any) -> None:
+def test_decode_is_the_torch_paths_bits(
+    xla_device: torch.device, bits: int, forms: str, data: Any
+) -> None:
     """Every code value (the marks included) under zero, subnormal, clamped and NaN scales."""
     shape = data.draw(st.sampled_from(SHAPES))
     signed = data.draw(st.booleans())
@@ -150,18 +161,19 @@ def test_decode_is_the_torch_paths_bits(xla_device: torch.device, bits: int, dat
         codes = codes.to(torch.uint8).view(dtype)
         scale = _scales(data.draw, _quantize4.blocks(n))
         want = _quantize4.dequantize4(_quantize4.Q4State(codes, scale), shape)
-    (got,) = _run(("decode", bits, signed, False, shape), [codes, scale], xla_device)
+    (got,) = _run((forms, "decode", bits, signed, False, shape), [codes, scale], xla_device)
     assert _same(got, want), (bits, signed)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.uint8, torch.uint4], ids=["uint8", "uint4"])  # type: ignore[attr-defined]
 @pytest.mark.parametrize("strategy", ["remainder", "kahan", "stochastic"])
-def test_barriers_change_no_result(
+def test_cpu_forms_change_no_result(
     xla_device: torch.device, monkeypatch: pytest.MonkeyPatch, strategy: str, state_dtype: Any
 ) -> None:
-    """The node stores new encoded moments (and a remainder's or Kahan master) once between
-    fusions on XLA:CPU only (``Builder.barrier``); without the barriers, as it is built for
-    a TPU or GPU, three AdamW steps give the same state, bit for bit, but for the last bit
+    """On XLA:CPU the node stores new encoded moments (and a remainder's or Kahan master)
+    once between fusions (``Builder.barrier``) and packs nibbles by bitcasts; with the plain
+    forms, as it is built for a TPU, a GPU or SPMD, three AdamW steps give the same state,
+    bit for bit, but for the last bit
     of an fp32 master (a remainder's low half: XLA:CPU contracts ``a * b + c`` where both
     land in one fusion, as test_xla_kernels.py states for every pair)."""
     import mpfunc
@@ -181,7 +193,7 @@ def test_barriers_change_no_result(
         return [t.cpu() for t in _flat((masters, state))]
 
     try:
-        with_barriers, without = run("CPU"), run("TPU")
+        with_barriers, without = run("CPU"), run("SPMD")
     finally:
         _xla_kernels.clear_cache()
     for i, (a, b) in enumerate(zip(with_barriers, without, strict=True)):

@@ -108,10 +108,10 @@ def _xb() -> Any:
 
 
 def _device_type() -> str:
-    """The process's PJRT device type ("CPU", "TPU", "CUDA", ...)."""
+    """The process's PJRT device type ("CPU", "TPU", "CUDA", ...), "SPMD" under SPMD."""
     import torch_xla.runtime as xr
 
-    return str(xr.device_type())
+    return "SPMD" if xr.is_spmd() else str(xr.device_type())  # type: ignore[no-untyped-call]
 
 
 def _xlac() -> Any:
@@ -569,9 +569,11 @@ class _B:
         self.n = 0
         self._consts: dict[tuple[Any, ...], Any] = {}
         self._signed: dict[int, bool] = {}  # id of an 8-bit codes parameter -> its map
-        # ``barrier`` is for XLA:CPU's fusion (measured there); elsewhere (TPU, GPU: XLA
-        # fuses differently, and a stored array is memory traffic) values stay fused.
-        self.barriers = _device_type() == "CPU"
+        # Forms written for XLA:CPU's code generator (measured there): ``barrier`` and the
+        # 4-bit codec's bitcast packing. Elsewhere (TPU, GPU: XLA fuses differently, and a
+        # stored array is memory traffic) and under SPMD (the partitioner all-gathers a
+        # gather's operand and a bitcast that changes the shape) the plain forms.
+        self.cpu_forms = _device_type() == "CPU"
 
     def param(self, shape: Sequence[int], dtype: torch.dtype) -> Any:
         op = self.xb.mkparam(self.builder, self.n, self.xb.mkshape(_type(dtype), tuple(shape)))
@@ -759,8 +761,8 @@ class _B:
 
     def barrier(self, x: Any, shape: Sequence[int]) -> Any:
         """``x`` (of ``shape``), stored once between XLA's fusions (an identity gather), on
-        XLA:CPU only (``barriers``); else ``x``."""
-        if not self.barriers:
+        XLA:CPU only (``cpu_forms``); else ``x``."""
+        if not self.cpu_forms:
             return x
         n = math.prod(shape)
         idx = self.xb.Op.iota(self.builder, self.xb.mkshape("s32", (n, 1)), 0)

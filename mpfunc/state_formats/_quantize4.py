@@ -582,14 +582,23 @@ def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: boo
     """``dequantize4`` of one leaf: packed ``codes`` (``(packed_bytes(n),)``, s8 or u8) and
     bf16 ``scale`` (``(blocks(n),)``) -> its fp32 moment of ``shape``.
 
-    The bytes are unpacked without strided slices or a concatenation, which XLA:CPU
+    On XLA:CPU (``b.cpu_forms``) the bytes are unpacked without a concatenation, which it
     compiles to a scalar loop: each byte widened to 16 bits as ``low | high << 8`` and
-    bitcast to two bytes (little-endian: the low nibble first)."""
+    bitcast to two bytes (little-endian: the low nibble first). Elsewhere (and under SPMD,
+    whose partitioner all-gathers a bitcast that changes the shape) by a concatenation of
+    the low and high nibbles."""
     n = math.prod(shape)
     n_bytes = packed_bytes(n)
-    u16 = codes.bitcast("u8").cast("u16")
-    pair = (u16 & _u16(b, 15)) | ((u16 & _u16(b, 0xF0)) * _u16(b, 16))
-    nib = pair.bitcast("u8").reshape([2 * n_bytes]).slice_in_dim(0, n, 0).cast("s32")
+    if b.cpu_forms:
+        u16 = codes.bitcast("u8").cast("u16")
+        pair = (u16 & _u16(b, 15)) | ((u16 & _u16(b, 0xF0)) * _u16(b, 16))
+        nib = pair.bitcast("u8").reshape([2 * n_bytes])
+    else:
+        byte = codes.cast("s32") & b.s32(255)  # (_unpack) int8 bytes back to 0..255
+        low = (byte & b.s32(15)).reshape([n_bytes, 1])
+        high = b.shr(byte, 4).reshape([n_bytes, 1])
+        nib = b.xb.Op.concat_in_dim([low, high], 1, builder=b.builder).reshape([2 * n_bytes])
+    nib = nib.slice_in_dim(0, n, 0).cast("s32")
     if signed:
         k = (nib > b.s32(7)).select(nib - b.s32(16), nib)
         vals = b.entry(k, 2.0 * _S_LEVELS)
@@ -617,8 +626,10 @@ def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -
     """``_encode`` and ``_pack`` of one leaf's fp32 values ``x`` (of ``shape``; ``noise``:
     ``None`` or fp32 draws of ``shape``): its packed codes (s8 signed, u8 unsigned) and
     bf16 block scales. Blocks are zero-padded, as ``_as_blocks`` pads them. The codes are
-    the 8-bit encoder's (``Builder.codes``) with this format's levels; two a byte, packed
-    by a bitcast of byte pairs to 16 bits (strided slices were 5x slower on XLA:CPU)."""
+    the 8-bit encoder's (``Builder.codes``) with this format's levels, two a byte: on
+    XLA:CPU (``b.cpu_forms``) packed by a bitcast of byte pairs to 16 bits (strided slices
+    were 5x slower there), elsewhere by strided slices (SPMD's partitioner all-gathers the
+    bitcast)."""
     n = math.prod(shape)
     nb = blocks(n)
 
@@ -633,7 +644,15 @@ def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -
     draws = None if noise is None else as_blocks(noise)
     code, scale = b.codes(as_blocks(x), signed, levels, draws)
     # (_pack) two nibbles a byte, low nibble first; the padding's codes are 0.
-    pair = (code & b.s32(15)).cast("u8").reshape([nb * BLOCK // 2, 2]).bitcast("u16")
-    byte = (pair & _u16(b, 15)) | ((pair / _u16(b, 16)) & _u16(b, 0xF0))
-    byte = byte.cast("u8").slice_in_dim(0, packed_bytes(n), 0)
-    return (byte.bitcast("s8") if signed else byte), scale
+    if b.cpu_forms:
+        pair = (code & b.s32(15)).cast("u8").reshape([nb * BLOCK // 2, 2]).bitcast("u16")
+        byte = (pair & _u16(b, 15)) | ((pair / _u16(b, 16)) & _u16(b, 0xF0))
+        byte = byte.cast("u8").slice_in_dim(0, packed_bytes(n), 0)
+        return (byte.bitcast("s8") if signed else byte), scale
+    nib = (code & b.s32(15)).reshape([nb * BLOCK])
+    byte = nib.slice_in_dim(0, nb * BLOCK, 0, stride=2)
+    byte = byte + nib.slice_in_dim(1, nb * BLOCK, 0, stride=2) * b.s32(16)
+    byte = byte.slice_in_dim(0, packed_bytes(n), 0)
+    if signed:  # the same bits as int8, without relying on a narrowing convert's wrap
+        byte = (byte > b.s32(127)).select(byte - b.s32(256), byte)
+    return byte.cast("s8" if signed else "u8"), scale
