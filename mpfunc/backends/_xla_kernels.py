@@ -574,6 +574,7 @@ class _B:
         # stored array is memory traffic) and under SPMD (the partitioner all-gathers a
         # gather's operand and a bitcast that changes the shape) the plain forms.
         self.cpu_forms = _device_type() == "CPU"
+        self._stored: Any = None  # the last leaf's new param, where ``in_turn`` waits for it
 
     def param(self, shape: Sequence[int], dtype: torch.dtype) -> Any:
         op = self.xb.mkparam(self.builder, self.n, self.xb.mkshape(_type(dtype), tuple(shape)))
@@ -678,7 +679,9 @@ class _B:
             from mpfunc.strategies import _remainder
 
             outs = _remainder._split_ops(self.xb, self.builder, x, group.shapes[i])
-            return [self.keep(skip, old, new) for old, new in zip(unit, outs)]
+            kept = [self.keep(skip, old, new) for old, new in zip(unit, outs)]
+            self._stored = kept[0]
+            return kept
         if s == "stochastic":
             key = unit[1]
             param = self.round_stochastic(x, self.bits(key, group.shapes[i]))
@@ -688,7 +691,9 @@ class _B:
         if s == "none":
             return [self.keep(skip, unit[0], param)]
         comp = self.to(x - self.to(param, dtype, f32), f32, dtype)  # Kahan's store
-        return [self.keep(skip, unit[0], param), self.keep(skip, unit[1], comp)]
+        kept = [self.keep(skip, unit[0], param), self.keep(skip, unit[1], comp)]
+        self._stored = kept[0]
+        return kept
 
     def widen(self, m: Any, dtype: torch.dtype, shape: Sequence[int] = ()) -> Any:
         """A stored moment in fp32 (``_state_format.load``; 8-bit: ``_quantize._decode``;
@@ -758,6 +763,26 @@ class _B:
         if dtype not in _CODES_EXTENT:
             return x
         return self.barrier(x, shape)
+
+    def in_turn(self, group: _Leaves, dtype: torch.dtype, g: Any) -> Any:
+        """Leaf ``g``'s grad, made to wait for the previous leaf's new param where that pays
+        on XLA:CPU: a ``"remainder"`` or ``"kahan"`` master with 8- or 4-bit moments.
+
+        XLA:CPU's runtime starts every ready fusion in turn, one stage of every leaf before
+        the next stage of any, and with these pairs' stored arrays (the master and both
+        moments, ``barrier``) a leaf's data leaves the cache before its next stage reads it:
+        on 51 leaves of 256 x 256 their device time was 17-23 ms against 9-14 with the
+        leaves in turn, as fast as ``"stochastic"`` with the same state (for the other pairs
+        the order made no gain or cost up to 25%). The wait is a select on a predicate that
+        is never true, ``(x != x) & (x == x)`` of the previous param's first element, which
+        XLA does not fold; ``g`` comes out unchanged."""
+        prev, self._stored = self._stored, None
+        if prev is None or not self.cpu_forms or dtype not in _CODES_EXTENT:
+            return g
+        first = prev.reshape([math.prod(prev.shape().sizes)]).slice_in_dim(0, 1, 0).reshape([])
+        first = first.cast("f32")
+        never = (first != first) & (first == first)
+        return never.select(-g, g)
 
     def barrier(self, x: Any, shape: Sequence[int]) -> Any:
         """``x`` (of ``shape``), stored once between XLA's fusions (an identity gather), on

@@ -342,6 +342,7 @@ def _build_xla(h: AdamHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...]
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
     for i, ((unit, g, m0, v0, vm0, s, old_low), low) in enumerate(zip(ins, lows)):
+        g = b.in_turn(group, md, g)  # XLA:CPU's order of work (see there)
         if h.maximize:
             g = -g
         s1 = b.keep(skip, s, s + one)

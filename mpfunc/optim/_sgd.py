@@ -173,6 +173,7 @@ def _build_xla(h: SGDHyper, group: _xla_kernels.Leaves, shared: tuple[Any, ...])
     outs = []
     lows = group.low_dtypes or (None,) * len(ins)
     for i, ((unit, g, buf0, s, old_low), low) in enumerate(zip(ins, lows)):
+        g = b.in_turn(group, md, g)  # XLA:CPU's order of work (see there)
         if h.maximize:
             g = -g
         q = b.load(group, i, unit, old_low)
