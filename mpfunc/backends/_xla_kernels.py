@@ -50,7 +50,10 @@ it does in an fp32 master.
 The codec is the torch path's bits (tests/test_xla_codec.py) but not its ops: it is
 written for XLA:CPU's code generator (``Builder.codes``, ``entry``, ``once``), where the
 torch path's op-for-op form ran 2-3x slower (table gathers, a stored array of square
-roots, strided nibble packing, the optimizer's math recomputed inside each codec fusion).
+roots, strided nibble packing, the optimizer's math recomputed inside each codec fusion),
+and on XLA:CPU a ``"remainder"`` or ``"kahan"`` master with 8/4-bit moments steps its
+leaves in turn (``in_turn``). The forms for XLA:CPU (``cpu_forms``) are off under SPMD and
+on other devices.
 
 Also folded into the node, to cut host time further:
 
