@@ -584,19 +584,21 @@ class _B:
         self.n += 1
         return op
 
+    def const(self, value: float, dtype: str) -> Any:
+        """A scalar constant of the builder's ``dtype`` ("f32", "s32", "u16", ...), made
+        once per computation."""
+        k = (dtype, value)
+        if k not in self._consts:
+            self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype=dtype)
+        return self._consts[k]
+
     def f32(self, value: float) -> Any:
         """A fp32 scalar constant: ``value`` rounded once, as torch_xla rounds a Python
         scalar that meets an fp32 tensor."""
-        k = ("f32", value)
-        if k not in self._consts:
-            self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="f32")
-        return self._consts[k]
+        return self.const(value, "f32")
 
     def s32(self, value: int) -> Any:
-        k = ("s32", value)
-        if k not in self._consts:
-            self._consts[k] = self.xb.Op.scalar(self.builder, value, dtype="s32")
-        return self._consts[k]
+        return self.const(value, "s32")
 
     def fields(
         self, group: _Leaves, n_moments: int
@@ -814,11 +816,13 @@ class _B:
     def decode(self, codes: Any, scale: Any, shape: Sequence[int]) -> Any:
         """``_quantize._decode``: ``scale * T[code]`` (squared for the unsigned map), the
         marks NaN (signed) and ``+inf`` (unsigned)."""
+        from mpfunc.state_formats import _quantize
+
         n = math.prod(shape)
         signed = self._signed[id(codes)]
         k = codes.reshape([n]).cast("s32")
-        vals = self.entry(k, 254.0 if signed else 508.0)
-        mark = k == self.s32(-128 if signed else 255)
+        vals = self.entry(k, 2.0 * (_quantize._S_LEVELS if signed else _quantize._U_LEVELS))
+        mark = k == self.s32(_quantize._S_NAN if signed else _quantize._U_NAN)
         vals = mark.select(vals.scalar_like(math.nan if signed else math.inf), vals)
         s = scale.cast("f32")
         if not signed:
@@ -841,20 +845,25 @@ class _B:
     def encode(self, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -> tuple[Any, Any]:
         """``_quantize._encode`` of one leaf's fp32 values: its codes (the codes' dtype and
         ``shape``) and bf16 block scales. Blocks are zero-padded, as ``_as_blocks`` pads."""
+        from mpfunc.state_formats import _quantize
+
         n = math.prod(shape)
-        nb = -(-n // 32)
-
-        def blocks(v: Any, dtype: str) -> Any:
-            flat = v.reshape([n])
-            if nb * 32 > n:
-                pad = self.xb.Op.scalar(self.builder, 0, dtype=dtype).broadcast([nb * 32 - n])
-                flat = self.xb.Op.concat_in_dim([flat, pad], 0, builder=self.builder)
-            return flat.reshape([nb, 32])
-
-        draws = None if noise is None else blocks(noise, "f32")
-        code, scale = self.codes(blocks(x, "f32"), signed, 127 if signed else 254, draws)
-        codes = code.reshape([nb * 32]).slice_in_dim(0, n, 0).reshape(list(shape))
+        draws = None if noise is None else self.blocks(noise, n)
+        levels = _quantize._S_LEVELS if signed else _quantize._U_LEVELS
+        code, scale = self.codes(self.blocks(x, n), signed, levels, draws)
+        codes = code.reshape([-(-n // 32) * 32]).slice_in_dim(0, n, 0).reshape(list(shape))
         return codes.cast("s8" if signed else "u8"), scale
+
+    def blocks(self, v: Any, n: int) -> Any:
+        """The ``n`` fp32 values of ``v`` in row-major order, zero-padded to whole blocks of
+        32 and shaped ``(blocks, 32)``, as ``_quantize._as_blocks`` and
+        ``_quantize4._as_blocks`` lay them out."""
+        nb = -(-n // 32)
+        flat = v.reshape([n])
+        if nb * 32 > n:
+            pad = self.f32(0.0).broadcast([nb * 32 - n])
+            flat = self.xb.Op.concat_in_dim([flat, pad], 0, builder=self.builder)
+        return flat.reshape([nb, 32])
 
     def codes(self, xb: Any, signed: bool, levels: int, draws: Any) -> tuple[Any, Any]:
         """The companded block code of ``_quantize._encode`` (8-bit, ``levels`` 127/254)
@@ -915,10 +924,7 @@ class _B:
         torch_xla 2.9's misspelt ``ShifRight``, is arithmetic). A signed division of the
         masked value, ``_rng._shr`` written op for op, became seven ops a shift on XLA:CPU
         (the rounding of a signed division towards zero)."""
-        k = ("u32", 1 << n)
-        if k not in self._consts:
-            self._consts[k] = self.xb.Op.scalar(self.builder, 1 << n, dtype="u32")
-        return (x.bitcast("u32") / self._consts[k]).bitcast("s32")
+        return (x.bitcast("u32") / self.const(1 << n, "u32")).bitcast("s32")
 
     def mix(self, x: Any) -> Any:
         """``_rng._mix``: MurmurHash3's fmix32 in wrapping s32 arithmetic."""

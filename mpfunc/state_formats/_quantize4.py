@@ -571,9 +571,10 @@ def quantize4_list_(
 # ``decode_ops`` and ``encode_ops`` build this module's ``dequantize4`` and ``_encode`` +
 # ``_pack`` of one leaf inside an ``xla_builder`` computation, op for op, so the node gives
 # the torch path's bits. ``b`` is the node's builder helper (``_xla_kernels._B``): its
-# ``xb``, ``builder``, fp32/s32 constants (``f32``, ``s32``), ``flush`` (this module's
-# ``_flush``), ``entry`` (a decode table's value of a code, by one division), ``codes``
-# (the companded block encoder both formats share, given the levels) and ``per_element``
+# ``xb``, ``builder``, constants (``f32``, ``s32``, ``const``), ``flush`` (this module's
+# ``_flush``), ``entry`` (a decode table's value of a code, by one division), ``blocks``
+# (values padded to whole blocks, as ``_as_blocks`` lays them out), ``codes`` (the
+# companded block encoder both formats share, given the levels) and ``per_element``
 # (a per-block value repeated for each element, blocks of 32).
 # Operands are ``xla_builder.Op``s.
 
@@ -591,7 +592,7 @@ def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: boo
     n_bytes = packed_bytes(n)
     if b.cpu_forms:
         u16 = codes.bitcast("u8").cast("u16")
-        pair = (u16 & _u16(b, 15)) | ((u16 & _u16(b, 0xF0)) * _u16(b, 16))
+        pair = (u16 & b.const(15, "u16")) | ((u16 & b.const(0xF0, "u16")) * b.const(16, "u16"))
         nib = pair.bitcast("u8").reshape([2 * n_bytes])
     else:
         byte = codes.cast("s32") & b.s32(255)  # (_unpack) int8 bytes back to 0..255
@@ -615,13 +616,6 @@ def decode_ops(b: Any, codes: Any, scale: Any, shape: Sequence[int], signed: boo
     return b.flush(y).reshape(list(shape))
 
 
-def _u16(b: Any, value: int) -> Any:
-    k = ("u16", value)
-    if k not in b._consts:
-        b._consts[k] = b.xb.Op.scalar(b.builder, value, dtype="u16")
-    return b._consts[k]
-
-
 def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -> tuple[Any, Any]:
     """``_encode`` and ``_pack`` of one leaf's fp32 values ``x`` (of ``shape``; ``noise``:
     ``None`` or fp32 draws of ``shape``): its packed codes (s8 signed, u8 unsigned) and
@@ -632,21 +626,13 @@ def encode_ops(b: Any, x: Any, signed: bool, noise: Any, shape: Sequence[int]) -
     bitcast)."""
     n = math.prod(shape)
     nb = blocks(n)
-
-    def as_blocks(v: Any) -> Any:
-        flat = v.reshape([n])
-        if nb * BLOCK > n:
-            pad = b.xb.Op.scalar(b.builder, 0, dtype="f32").broadcast([nb * BLOCK - n])
-            flat = b.xb.Op.concat_in_dim([flat, pad], 0, builder=b.builder)
-        return flat.reshape([nb, BLOCK])
-
     levels = _S_LEVELS if signed else _U_LEVELS
-    draws = None if noise is None else as_blocks(noise)
-    code, scale = b.codes(as_blocks(x), signed, levels, draws)
+    draws = None if noise is None else b.blocks(noise, n)
+    code, scale = b.codes(b.blocks(x, n), signed, levels, draws)
     # (_pack) two nibbles a byte, low nibble first; the padding's codes are 0.
     if b.cpu_forms:
         pair = (code & b.s32(15)).cast("u8").reshape([nb * BLOCK // 2, 2]).bitcast("u16")
-        byte = (pair & _u16(b, 15)) | ((pair / _u16(b, 16)) & _u16(b, 0xF0))
+        byte = (pair & b.const(15, "u16")) | ((pair / b.const(16, "u16")) & b.const(0xF0, "u16"))
         byte = byte.cast("u8").slice_in_dim(0, packed_bytes(n), 0)
         return (byte.bitcast("s8") if signed else byte), scale
     nib = (code & b.s32(15)).reshape([nb * BLOCK])
