@@ -389,10 +389,12 @@ _MOMENT = Like("the master's", hint=_HINT)
 MIXED_CHUNK_NUMEL = 1 << 18
 
 
-def _compute_dtype(face: torch.Tensor, fp32_kind: bool) -> torch.dtype:
-    """The dtype a leaf's step computes in: its master's for "fp32" masters, else fp32."""
-    if fp32_kind and face.dtype in (torch.float32, torch.float64):
-        return face.dtype
+def _compute_dtype(face: torch.Tensor) -> torch.dtype:
+    """The dtype a leaf's step computes in: float64 for a float64 face (an "fp32" master,
+    or a "none" unit's param, which ``_strategy_none._load`` widens to float64: the only
+    strategies that take one), else float32."""
+    if face.dtype == torch.float64:
+        return torch.float64
     return torch.float32
 
 
@@ -432,7 +434,6 @@ def _state_fields(
     """Checks each used field's leaves (``flat``, from ``_flat_fields``) against the
     masters."""
     faces = step.faces if step.faces is not None else step.masters.leaves
-    fp32 = step.kinds if step.kinds is not None else [None] * len(faces)
     ref = Side(step.masters.name, step.masters.tree, faces, units=True)
     for name, (leaves, spec) in flat.items():
         value = getattr(state, name)
@@ -460,7 +461,7 @@ def _state_fields(
             continue
         else:
             problem = _state_format.problem
-            wants: dict[tuple[torch.dtype, bool], torch.dtype] = {}  # (face dtype, plain)
+            wants: dict[torch.dtype, torch.dtype] = {}  # by face dtype
             for i, (f, x) in enumerate(zip(faces, leaves)):
                 if f is None:
                     if x is not None:
@@ -469,12 +470,10 @@ def _state_fields(
                     continue
                 if x is None:
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
-                k = fp32[i]
-                of = (f.dtype, k is None or k.unit is None)
-                want = wants.get(of)
+                want = wants.get(f.dtype)
                 if want is None:
-                    compute = _compute_dtype(f, of[1])
-                    want = wants[of] = _state_format.stored_dtype(compute, state_dtype)
+                    want = _state_format.stored_dtype(_compute_dtype(f), state_dtype)
+                    wants[f.dtype] = want
                 why = problem(kind, x, f, want)
                 if why is not None:
                     _checks.fail(why[0], fn, side.path(i), why[1], why[2], _HINT)
@@ -745,7 +744,7 @@ def _decide(
         f = faces[i]
         s = strategies[i]
         plain = s is None or s.unit is None
-        compute = _compute_dtype(f, plain)
+        compute = _compute_dtype(f)
         stored = [mf[i] for mf in moments]
         if (
             impl in ("auto", "xla")
@@ -888,10 +887,9 @@ def elementwise(
     def init(masters: Any) -> Any:
         side, spec = _strategy.master_leaves(f"{rule.name}.init", "masters", masters)
         faces = [_strategy.face(m) for m in side.leaves]
-        plain = [_strategy.by_unit(m) is None for m in side.leaves]
         _state_format.chosen(state_dtype).check_init(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
-        computes = [None if f is None else _compute_dtype(f, p) for f, p in zip(faces, plain)]
+        computes = [None if f is None else _compute_dtype(f) for f in faces]
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)
             if kind is None:

@@ -124,6 +124,21 @@ def _name_of(names: list[str], k: int) -> str:
     return names[k] if 0 <= k < len(names) else f"params.{k}"
 
 
+def _in_param_terms(text: str, name: Callable[[int], str]) -> str:
+    """An error of ``init_master`` or an optimizer's ``init`` over the optimizer's flat list
+    of params, said of the param (``name(k)``: param ``k`` of that list by its name) and with
+    a param group as the way out where the functional message offers a partition."""
+    text = re.sub(r"'(?:params|masters)\.(\d+)'", lambda m: repr(name(int(m.group(1)))), text)
+    text = re.sub(r"strategy\.(\d+):", lambda m: f"strategy({name(int(m.group(1)))!r}):", text)
+    return re.sub(
+        r"Keep small leaves in fp32 state: mpfunc\.partition.*$",
+        "Keep small params in fp32 state, in a param group of their own: "
+        "MasterOptimizer([{'params': big}, {'params': small, 'state_dtype': None}], "
+        "...) with small = [p for p in params if p.numel() < 4096]",
+        text,
+    )
+
+
 def _version(m: Any) -> int:
     """An "fp32" master's version counter; -1 for none or another strategy's unit."""
     return m._version if isinstance(m, torch.Tensor) else -1
@@ -440,19 +455,8 @@ class MasterOptimizer(torch.optim.Optimizer):
             self._built.pop(label, None)  # the optimizer stays as it was before the call
 
             # init_master names a param by its index in the optimizer's flat list: say which.
-            def named(m: re.Match[str]) -> str:
-                return repr(_name_of(names, int(m.group(1)) - len(self._params)))
-
-            text = re.sub(r"'(?:params|masters)\.(\d+)'", named, str(e))
-            text = re.sub(r"strategy\.(\d+):", lambda m: f"strategy({named(m)}):", text)
-            # The functional way out (a partition) is a param group here.
-            text = re.sub(
-                r"Keep small leaves in fp32 state: mpfunc\.partition.*$",
-                "Keep small params in fp32 state, in a param group of their own: "
-                "MasterOptimizer([{'params': big}, {'params': small, 'state_dtype': None}], "
-                "...) with small = [p for p in params if p.numel() < 4096]",
-                text,
-            )
+            n_old = len(self._params)
+            text = _in_param_terms(str(e), lambda k: _name_of(names, k - n_old))
             if not text.startswith("MasterOptimizer"):  # the hooks' checks say it already
                 text = f"MasterOptimizer: param_groups[{i}]: {text}"
             raise type(e)(text) from e
@@ -530,9 +534,10 @@ class MasterOptimizer(torch.optim.Optimizer):
                 for k, t in zip(keys, values):
                     _check_like(fn, f"{where}.{k}", t, entry[k])
             changed.append((j, entry or None))
+        made = {j: self._made(j, fn) for j, entry in changed if entry is None}
         for j, entry in changed:
             if entry is None:
-                self._adopt(j)  # a fresh master and state, linked anew
+                self._adopt(j, made[j])  # a fresh master and state, linked anew
             else:
                 self._replace(j, entry)
 
@@ -701,22 +706,31 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     # --- the step -------------------------------------------------------------------------
 
-    def _made(self, j: int) -> tuple[Any, Any]:
+    def _made(self, j: int, fn: str = "MasterOptimizer.step") -> tuple[Any, Any]:
         """A master for param ``j`` (from the param) and its group's fresh state, made
-        aside: nothing of the optimizer's is written."""
+        aside: nothing of the optimizer's is written. A param they refuse (a frozen param
+        too small for an 8-bit block, trained now) is named as ``add_param_group`` names
+        it, in ``fn``'s error."""
         p, label = self._params[j], str(self._group_of[j])
-        m = init_master([None] * j + [p], strategy=[None] * j + [self._kinds[j]])[j]
-        fresh = self._built[label][1].init(
-            [m if k == j else None for k in range(len(self._params))]
-        )
+        try:
+            m = init_master([None] * j + [p], strategy=[None] * j + [self._kinds[j]])[j]
+            fresh = self._built[label][1].init(
+                [m if k == j else None for k in range(len(self._params))]
+            )
+        except (TypeError, ValueError) as e:
+            text = _in_param_terms(str(e), lambda k: _name_of(self._names, k))
+            group = f"param_groups[{self._group_of[j]}]"
+            raise type(e)(f"{fn}: {group}: {text}") from e
         return m, fresh
 
-    def _adopt(self, j: int, made: tuple[Any, Any] | None = None) -> None:
+    def _adopt(
+        self, j: int, made: tuple[Any, Any] | None = None, fn: str = "MasterOptimizer.step"
+    ) -> None:
         """Master and state for a param that had none (frozen when added) and now has a
         grad: made now (or ``made``, from ``_made(j)``), as torch.optim makes its state at
         a param's first step."""
         p, label = self._params[j], str(self._group_of[j])
-        m, fresh = self._made(j) if made is None else made
+        m, fresh = self._made(j, fn) if made is None else made
         self._masters[j], self._labels[j] = m, label
         self._versions[j] = p._version
         self._dtypes[j] = p.dtype
@@ -806,9 +820,14 @@ class MasterOptimizer(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         opt = self._optimizer()
         self._take_up(fn)
-        for j, (p, m) in enumerate(zip(self._params, self._masters)):
-            if m is None and p.grad is not None:
-                self._adopt(j)
+        # Params frozen when added and trained now: all made before any is taken.
+        pending = [
+            j for j, (p, m) in enumerate(zip(self._params, self._masters))
+            if m is None and p.grad is not None
+        ]  # fmt: skip
+        made = {j: self._made(j, fn) for j in pending}
+        for j in pending:
+            self._adopt(j, made[j])
         if self._opt is None:
             opt = self._optimizer()
         if found_inf is not None:
@@ -969,7 +988,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             j = index[k]
             if entry and (self._masters[j] is None or foreign):
                 self._built_for_load(fn)  # (from torch.optim: masters made from the params)
-                made[j] = self._made(j)
+                made[j] = self._made(j, fn)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         rewrites: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -112,6 +112,15 @@ def keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:
     return [_rng._mix(k) for k in pre]
 
 
+def widened(values: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
+    """An encoded format's decoded (float32) moments in the step's compute dtype: a float64
+    master's step (``"fp32"`` or ``"none"``) computes in float64, and float32 values
+    widen exactly. ``store_codes`` narrows them back before encoding."""
+    if compute == torch.float32:
+        return values
+    return [v.to(compute) for v in values]
+
+
 def store_codes(
     encode_list_: Callable[..., Any],
     xs: list[Any],
@@ -129,7 +138,9 @@ def store_codes(
     if kind == "square" and steps is not None:
         noises = list(_rng.uniform_list(keys(steps, salts), [v.shape for v in values]))
     old = [(q.codes.clone(), q.scale.clone()) for q in xs] if skip is not None else []
-    encode_list_([v.contiguous() for v in values], xs, noises=noises)
+    # The codec reads float32 (a float64 master's moments, computed in float64, round to
+    # nearest first, as a float32 or bfloat16 state's ``Tensor.to`` rounds them).
+    encode_list_([v.float().contiguous() for v in values], xs, noises=noises)
     if skip is not None:
         codes = [torch.where(skip, c, q.codes) for (c, _), q in zip(old, xs)]
         scales = [torch.where(skip, s, q.scale) for (_, s), q in zip(old, xs)]

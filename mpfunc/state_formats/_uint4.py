@@ -33,6 +33,7 @@ from mpfunc.state_formats._base import (
     encoded_all_right,
     store_codes,
     whole_blocks,
+    widened,
 )
 from mpfunc.state_formats._quantize4 import Q4State
 
@@ -98,7 +99,7 @@ def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _quantize4.dequantize4_list(xs, [v.shape for v in likes]) if xs else []
+    return widened(_quantize4.dequantize4_list(xs, [v.shape for v in likes]), compute) if xs else []
 
 
 def _store(

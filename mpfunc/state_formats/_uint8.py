@@ -24,6 +24,7 @@ from mpfunc.state_formats._base import (
     encoded_all_right,
     store_codes,
     whole_blocks,
+    widened,
 )
 from mpfunc.state_formats._quantize import QState
 
@@ -91,7 +92,7 @@ def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _quantize.dequantize_list(xs) if xs else []
+    return widened(_quantize.dequantize_list(xs), compute) if xs else []
 
 
 def _store(

@@ -232,10 +232,11 @@ def _check_all(
     ref = m._replace(leaves=faces)
     _checks.check_pairs(fn, ref, g, _GRADS)
     for i, (f, x, k) in enumerate(zip(faces, g.leaves, kinds)):
-        # A grad no wider than its master: upcasting it inside the step is exact.
+        # A grad no wider than its master: upcasting it inside the step is exact. A unit's
+        # step computes in float32, or in float64 for a float64 param ("none").
         if x is None:
             continue
-        width = f.itemsize if k is None else 4
+        width = f.itemsize if k is None or f.dtype == torch.float64 else 4
         if x.itemsize > width:
             _checks.fail(
                 TypeError,

@@ -514,7 +514,7 @@ def optimizer_leaf(opt: Any, j: int, p: torch.Tensor) -> None:
         hooks.begun = True
         hooks.values = opt._group_values()
     if opt._masters[j] is None:
-        opt._adopt(j)  # frozen when added, trained now: state made as at a first step
+        opt._adopt(j, fn=_OPT)  # frozen when added, trained now: state made as at a first step
     label = opt._labels[j]
     sub = opt._built[label][1]
     state = opt._states[label]
