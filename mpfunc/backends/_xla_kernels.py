@@ -193,6 +193,9 @@ def _run(
     inputs, shared_key = shared
     key: tuple[Any, ...] = (kind, h, shared_key, group.order, group.shapes, group.grad_dtypes)
     key += (group.low_dtypes, group.strategy, group.types, group.salts, group.extents)
+    # The forms the builder chose (``Builder.cpu_forms``): SPMD turned on in a process that
+    # built this computation without it gets the plain forms, not the ones it all-gathers.
+    key += (_device_type(),)
     with _lock:
         comp = _cache.get(key)
     if comp is None:
@@ -804,6 +807,11 @@ class _B:
     def abs(self, x: Any) -> Any:
         return self.xb.mkop("Abs", (x.op,))
 
+    def square(self, x: Any) -> Any:
+        """``_quantize.square``: ``x * x`` flushed, a select between the product and the
+        subtraction that reads it, which XLA:CPU then does not fuse into a multiply-add."""
+        return self.flush(x * x)
+
     def flush(self, x: Any) -> Any:
         """``_quantize._flush``: magnitudes below fp32's smallest normal read as 0."""
         return (self.abs(x) < self.f32(2.0**-126)).select(x.zeros_like(), x)
@@ -906,7 +914,7 @@ class _B:
             a, b = self.entry(lo, twice), self.entry(lo + self.s32(1), twice)
             value = y
             if not signed:
-                value, a, b = self.flush(y * y), a * a, b * b
+                value, a, b = self.square(y), self.square(a), self.square(b)
             code = lo + (draws < (value - a) / (b - a)).cast("s32")
         if signed:
             return finite.select(code, code.scalar_like(-levels - 1)), scale

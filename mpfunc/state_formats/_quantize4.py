@@ -260,7 +260,7 @@ def _round_stochastic(
     b = _gather(table, torch.bitwise_and(lo + 1, 15))
     value = y
     if not signed:
-        value, a, b = _flush(y * y), a * a, b * b
+        value, a, b = _quantize.square(y), _quantize.square(a), _quantize.square(b)
     up = noise < (value - a) / (b - a)
     return lo + up.to(torch.int32)
 
