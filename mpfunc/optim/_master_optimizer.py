@@ -974,6 +974,17 @@ class MasterOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"{fn}: param_groups[{i}]: expected {n} params, got {len(saved['params'])}"
                 )
+            names, saved_names = group.get("param_names"), saved.get("param_names")
+            if names is not None and saved_names is not None and list(names) != list(saved_names):
+                # Entries are taken by position, as torch.optim takes them, and here they hold
+                # masters: a param under another's name would get its weights.
+                k = next((k for k, (a, b) in enumerate(zip(names, saved_names)) if a != b), 0)
+                raise ValueError(
+                    f"{fn}: param_groups[{i}].param_names: expected the names of this "
+                    f"optimizer's params in its order (at {k}: {names[k]!r}), got "
+                    f"{saved_names[k]!r} there. Build the MasterOptimizer over the params in "
+                    "the saved order (state is taken by position, and holds the masters)"
+                )
             index.update({k: start + pos for pos, k in enumerate(saved["params"])})
             start += n
             self._check_values(f"{fn}: param_groups[{i}]", i, saved)
@@ -1046,6 +1057,18 @@ class MasterOptimizer(torch.optim.Optimizer):
                     if saved_t is not live_t:
                         dst.append(live_t)
                         src.append(saved_t.to(live_t.device))
+        if "state_dtype" in self._keys:
+            for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+                if saved["state_dtype"] != group["state_dtype"]:
+                    # Entries that passed are this dtype's too (None and torch.float32 both
+                    # make fp32 moments; a group without entries has none), yet the next
+                    # step would refuse the saved value: refused here, before any write.
+                    raise ValueError(
+                        f"{fn}: param_groups[{i}]: state_dtype: expected "
+                        f"{group['state_dtype']} (the state this optimizer holds), got "
+                        f"{saved['state_dtype']}. Build the MasterOptimizer with the saved "
+                        "state_dtype, then load"
+                    )
         for j, pair in made.items():
             self._adopt(j, pair)  # the tensors of dst become its state
         _plan.copy_grouped_(dst, src)
