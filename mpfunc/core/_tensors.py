@@ -74,3 +74,27 @@ def fresh_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.dtype == dtype:
         return t.clone(memory_format=torch.preserve_format)
     return t.to(dtype=dtype, copy=True)
+
+
+def widened(p: torch.Tensor) -> torch.Tensor:
+    """``p.float()`` of a bfloat16 or float16 ``p``, the same bits, read from ``p``'s bits
+    where torch.compile traces: inductor folds ``x.to(bf16).float()`` into ``x`` (2.9, CPU),
+    which dropped a ``"kahan"`` master's whole compensation and coded 8-bit moments against
+    unrounded block scales in a compiled step (found in review, 2026-12-05). A bfloat16 is
+    the top half of its float32; a float16's magnitude bits, shifted into place and scaled
+    by 2**112, give its value exactly (subnormals included), infinities and NaNs set apart,
+    the sign put back: every one of the 2 x 65,536 patterns gives ``p.float()``'s bits
+    (``tests/test_compile_precision.py``). Eager code takes ``p.float()`` itself."""
+    from mpfunc.core._compile import compiling
+
+    if not compiling() or p.dtype not in (torch.bfloat16, torch.float16):
+        return p.float()
+    h = p.view(torch.int16).to(torch.int32)
+    if p.dtype == torch.bfloat16:
+        return (h << 16).view(torch.float32)
+    mag = h & 0x7FFF
+    bits = (mag << 13).view(torch.float32).mul(2.0**112).view(torch.int32)
+    # Infinities, and NaNs with their payload and the quiet bit set, as the conversion sets it.
+    bits = torch.where(mag >= 0x7C00, (mag << 13) | 0x7F800000, bits)
+    bits = torch.where(mag > 0x7C00, bits | 0x00400000, bits)
+    return (bits | ((h & 0x8000) << 16)).view(torch.float32)

@@ -237,7 +237,7 @@ def _encode(
     # The scale covers finite values only: a NaN or inf marks its own element, and its
     # block's other elements keep their precision.
     scale = vals.abs().amax(dim=1).clamp(max=BF16_MAX).to(SCALE_DTYPE)
-    s = scale.to(torch.float32)
+    s = _tensors.widened(scale)
     # An all-zero block has scale 0; dividing by 1 instead keeps its codes 0 without a branch.
     y = _flush(vals / torch.where(s > 0, s, 1.0).unsqueeze(1))
     # Rounding the scale to bf16 can put |y| up to 2**-9 above 1 (2**-8 where the scale is

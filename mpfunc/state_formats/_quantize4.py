@@ -89,7 +89,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mpfunc.core import _checks
+from mpfunc.core import _checks, _tensors
 from mpfunc.state_formats import _quantize
 
 __all__ = [
@@ -231,7 +231,7 @@ def _encode(
     # A finite fp32 magnitude above bf16's largest (within 0.4% of fp32's largest) would
     # round the scale to inf and the block to NaN: its scale is bf16's largest instead.
     scale = vals.abs().amax(dim=1).clamp(max=_BF16_MAX).to(SCALE_DTYPE)
-    s = scale.to(torch.float32)
+    s = _tensors.widened(scale)
     # An all-zero block has scale 0; dividing by 1 keeps its codes 0 without a branch.
     y = _flush(vals / torch.where(s > 0, s, 1.0).unsqueeze(1))
     # The bf16 scale can put |y| up to 2**-9 above 1: the clamps keep it on the top code.

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from mpfunc.core import _tensors
 from mpfunc.parallel import _sharding
 from mpfunc.strategies._base import Strategy, buffer_problem
 
@@ -65,7 +66,7 @@ def _load(units: list[Any]) -> list[torch.Tensor]:
 def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | None) -> None:
     for u, x in zip(units, values):
         p = x.to(u.param.dtype)
-        c = torch.sub(x, p.float()).to(u.compensation.dtype)
+        c = torch.sub(x, _tensors.widened(p)).to(u.compensation.dtype)
         if skip is not None:
             p = torch.where(skip, u.param, p)
             c = torch.where(skip, u.compensation, c)
