@@ -48,6 +48,7 @@ from mpfunc.core._optimizer import Group, Kernel, Optimizer, Rule, Step, Work
 from mpfunc.core._tensors import (
     FOREACH_CHUNK_NUMEL,
     chunks,
+    compute_dtype,
     fresh_copy,
     group_indices,
     is_lazy,
@@ -389,15 +390,6 @@ _MOMENT = Like("the master's", hint=_HINT)
 MIXED_CHUNK_NUMEL = 1 << 18
 
 
-def _compute_dtype(face: torch.Tensor) -> torch.dtype:
-    """The dtype a leaf's step computes in: float64 for a float64 face (an "fp32" master,
-    or a "none" unit's param, which ``_strategy_none._load`` widens to float64: the only
-    strategies that take one), else float32."""
-    if face.dtype == torch.float64:
-        return torch.float64
-    return torch.float32
-
-
 def _flat_fields(
     fn: str, rule: Rule, kinds: Mapping[str, str], step: Step, state: Any
 ) -> dict[str, tuple[list[Any], Any]]:
@@ -472,7 +464,7 @@ def _state_fields(
                     _checks.fail(TypeError, fn, side.path(i), "a tensor", "None", _HINT)
                 want = wants.get(f.dtype)
                 if want is None:
-                    want = _state_format.stored_dtype(_compute_dtype(f), state_dtype)
+                    want = _state_format.stored_dtype(compute_dtype(f.dtype), state_dtype)
                     wants[f.dtype] = want
                 why = problem(kind, x, f, want)
                 if why is not None:
@@ -744,7 +736,7 @@ def _decide(
         f = faces[i]
         s = strategies[i]
         plain = s is None or s.unit is None
-        compute = _compute_dtype(f)
+        compute = compute_dtype(f.dtype)
         stored = [mf[i] for mf in moments]
         if (
             impl in ("auto", "xla")
@@ -889,7 +881,7 @@ def elementwise(
         faces = [_strategy.face(m) for m in side.leaves]
         _state_format.chosen(state_dtype).check_init(f"{rule.name}.init", side, faces)
         state: dict[str, Any] = {}
-        computes = [None if f is None else _compute_dtype(f) for f in faces]
+        computes = [None if f is None else compute_dtype(f.dtype) for f in faces]
         for name in rule.state_type._fields:  # type: ignore[attr-defined]
             kind = kinds.get(name)
             if kind is None:

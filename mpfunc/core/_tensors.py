@@ -8,7 +8,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_CHUNK_NUMEL", "chunks", "fresh_copy", "group_indices", "is_lazy", "pick"]
+from mpfunc.core._compile import compiling
+
+__all__ = [
+    "FOREACH_CHUNK_NUMEL",
+    "chunks",
+    "compute_dtype",
+    "fresh_copy",
+    "group_indices",
+    "is_lazy",
+    "pick",
+    "widened",
+]
 
 # One foreach call on an eager device touches at most this many elements, so the
 # temporaries it allocates (e.g. Adam's denominator) stay below ~64 MiB in fp32.
@@ -76,6 +87,14 @@ def fresh_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype=dtype, copy=True)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a leaf's step computes in, from its face's ``dtype`` (an "fp32" master, or
+    a strategy unit's param): float64 for float64 (an "fp32" master, or a "none" param,
+    which ``_strategy_none._load`` widens to float64: the only strategies that take one),
+    else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def widened(p: torch.Tensor) -> torch.Tensor:
     """``p.float()`` of a bfloat16 or float16 ``p``, the same bits, read from ``p``'s bits
     where torch.compile traces: inductor folds ``x.to(bf16).float()`` into ``x`` (2.9, CPU),
@@ -85,8 +104,6 @@ def widened(p: torch.Tensor) -> torch.Tensor:
     by 2**112, give its value exactly (subnormals included), infinities and NaNs set apart,
     the sign put back: every one of the 2 x 65,536 patterns gives ``p.float()``'s bits
     (``tests/test_compile_precision.py``). Eager code takes ``p.float()`` itself."""
-    from mpfunc.core._compile import compiling
-
     if not compiling() or p.dtype not in (torch.bfloat16, torch.float16):
         return p.float()
     h = p.view(torch.int16).to(torch.int32)

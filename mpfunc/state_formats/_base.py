@@ -112,11 +112,13 @@ def keys(steps: list[torch.Tensor], salts: list[int]) -> list[torch.Tensor]:
     return [_rng._mix(k) for k in pre]
 
 
-def widened(values: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
-    """An encoded format's decoded (float32) moments in the step's compute dtype: a float64
-    master's step (``"fp32"`` or ``"none"``) computes in float64, and float32 values
-    widen exactly. ``store_codes`` narrows them back before encoding."""
-    if compute == torch.float32:
+def in_compute(values: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
+    """A format's loaded moments in the step's ``compute`` dtype: themselves where they are
+    in it already (a float state of that dtype is then stepped in place), else converted.
+    A float64 master's step (``"fp32"`` or ``"none"``) computes in float64: float32 and
+    bf16 moments and decoded 8/4-bit ones widen exactly (``store_codes`` narrows the
+    latter back to float32 before encoding)."""
+    if not values or values[0].dtype == compute:
         return values
     return [v.to(compute) for v in values]
 

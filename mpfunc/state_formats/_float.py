@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mpfunc.core import _checks
-from mpfunc.state_formats._base import Problem, StateFormat
+from mpfunc.state_formats._base import Problem, StateFormat, in_compute
 
 __all__ = ["format_of"]
 
@@ -49,9 +49,7 @@ def _check_init(fn: str, side: Any, faces: list[Any]) -> None:
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-    if not xs or xs[0].dtype == compute:
-        return xs
-    return [x.to(compute) for x in xs]
+    return in_compute(xs, compute)
 
 
 def _store(

@@ -97,7 +97,7 @@ def of_moment(x: Any) -> StateFormat | None:
 
 def stored_dtype(compute: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a moment is stored in: ``state_dtype``, or the dtype it is computed in
-    (``_plan._compute_dtype``) when that is ``None``."""
+    (``_tensors.compute_dtype``) when that is ``None``."""
     return compute if state_dtype is None else state_dtype
 
 

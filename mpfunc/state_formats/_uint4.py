@@ -31,9 +31,9 @@ from mpfunc.state_formats._base import (
     Problem,
     StateFormat,
     encoded_all_right,
+    in_compute,
     store_codes,
     whole_blocks,
-    widened,
 )
 from mpfunc.state_formats._quantize4 import Q4State
 
@@ -99,7 +99,9 @@ def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-    return widened(_quantize4.dequantize4_list(xs, [v.shape for v in likes]), compute) if xs else []
+    if not xs:
+        return []
+    return in_compute(_quantize4.dequantize4_list(xs, [v.shape for v in likes]), compute)
 
 
 def _store(

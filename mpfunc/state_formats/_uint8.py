@@ -22,9 +22,9 @@ from mpfunc.state_formats._base import (
     Problem,
     StateFormat,
     encoded_all_right,
+    in_compute,
     store_codes,
     whole_blocks,
-    widened,
 )
 from mpfunc.state_formats._quantize import QState
 
@@ -92,7 +92,7 @@ def _check_init(fn: str, side: _checks.Side, faces: list[Any]) -> None:
 
 
 def _load(xs: list[Any], compute: torch.dtype, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-    return widened(_quantize.dequantize_list(xs), compute) if xs else []
+    return in_compute(_quantize.dequantize_list(xs), compute) if xs else []
 
 
 def _store(

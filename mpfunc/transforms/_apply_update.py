@@ -25,7 +25,7 @@ import torch
 
 from mpfunc.backends import _xla_watch
 from mpfunc.backends._diagnostics import UpdateStats
-from mpfunc.core import _cache, _checks, _dtensor, _gc, _rng, _tree
+from mpfunc.core import _cache, _checks, _dtensor, _gc, _rng, _tensors, _tree
 from mpfunc.core._checks import Like
 from mpfunc.core._compile import compiling
 from mpfunc.core._optimizer import Optimizer, Step, Work
@@ -231,12 +231,11 @@ def _check_all(
     kinds = [_strategy.by_unit(x) for x in m.leaves]
     ref = m._replace(leaves=faces)
     _checks.check_pairs(fn, ref, g, _GRADS)
-    for i, (f, x, k) in enumerate(zip(faces, g.leaves, kinds)):
-        # A grad no wider than its master: upcasting it inside the step is exact. A unit's
-        # step computes in float32, or in float64 for a float64 param ("none").
+    for i, (f, x) in enumerate(zip(faces, g.leaves)):
+        # A grad no wider than the step computes in: upcasting it inside is exact.
         if x is None:
             continue
-        width = f.itemsize if k is None or f.dtype == torch.float64 else 4
+        width = _tensors.compute_dtype(f.dtype).itemsize
         if x.itemsize > width:
             _checks.fail(
                 TypeError,
