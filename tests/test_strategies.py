@@ -963,6 +963,106 @@ def test_kahan_pruned_param_stays_zero_on_xla(xla_device: torch.device) -> None:
     assert bool((got[1][:, :32] == 0).all())
 
 
+def _rewritten_kahan(
+    device: torch.device | str, impl: str, dtype: torch.dtype, state_dtype: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Kahan run at magnitude ~100 whose param is then partly rewritten to small values
+    (a re-init: ``[:, :32]`` to 0.01..0.04), and one step whose update is exactly zero (SGD,
+    zero grads). Returns (param, compensation, the master before the write)."""
+    gen = torch.Generator().manual_seed(21)
+    params = {"w": (torch.randn(4, 64, generator=gen) * 100).to(dtype).to(device)}
+    masters = mpfunc.init_master(params, strategy="kahan")
+    momentum = 0.0 if state_dtype is None else 0.9  # (with momentum: not a zero update)
+    opt = mpfunc.sgd(lr=0.1, momentum=momentum, impl=impl, state_dtype=state_dtype)  # type: ignore[arg-type]
+    state = opt.init(masters)
+    for _ in range(5):
+        grad = {"w": torch.randn(4, 64, generator=gen).to(dtype).to(device)}
+        mpfunc.apply_update_(masters, grad, state, opt)
+    unit = masters["w"]
+    before = unit.param.cpu().float() + unit.compensation.cpu().float()
+    with torch.no_grad():
+        params["w"][:, :32] = torch.linspace(0.01, 0.04, 4 * 32).view(4, 32).to(dtype)
+    zero = {"w": torch.zeros(4, 64, dtype=dtype, device=device)}
+    mpfunc.apply_update_(masters, zero, state, opt)
+    return unit.param.cpu(), unit.compensation.cpu(), before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+def test_kahan_param_rewritten_smaller_is_the_written_value(impl: str, dtype: torch.dtype) -> None:
+    """The README's promise for a write to a unit's param: the master is the written value
+    to within half a step. A Kahan compensation is absolute (sized for the old value), so a
+    param rewritten from ~100 to ~0.01 once moved by up to 0.2 on a zero update (found in
+    review). A compensation too large for its param is now dropped, as a zero param's is;
+    the elements not written keep theirs."""
+    from mpfunc.strategies._strategy_kahan import HALF_ULP
+
+    param, comp, before = _rewritten_kahan("cpu", impl, dtype)
+    written = torch.linspace(0.01, 0.04, 4 * 32).view(4, 32).to(dtype)
+    assert torch.equal(param[:, :32], written)
+    # Within half a step of the written value (an old compensation that small may stay).
+    assert bool((comp[:, :32].float().abs() <= written.float() * HALF_ULP[dtype]).all())
+    kept = param[:, 32:].float() + comp[:, 32:].float()
+    assert torch.equal(kept, before[:, 32:])  # a zero update: the master as it was
+    assert bool((comp[:, 32:] != 0).any())
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.uint8], ids=str)
+def test_kahan_rewritten_native_equals_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, state_dtype: Any
+) -> None:
+    from mpfunc.backends import _native
+
+    if not _native.available():
+        pytest.skip("no native kernel")
+    for dtype in (torch.bfloat16, torch.float16):
+        ref = _rewritten_kahan("cpu", "foreach", dtype, state_dtype)
+        got = _rewritten_kahan("cpu", "auto", dtype, state_dtype)
+        assert_bits_equal(got[0], ref[0])
+        assert_bits_equal(got[1], ref[1])
+    monkeypatch.setenv("MPFUNC_NATIVE_TILES", "1")
+    got = _rewritten_kahan("cpu", "auto", torch.bfloat16, state_dtype)
+    ref = _rewritten_kahan("cpu", "foreach", torch.bfloat16, state_dtype)
+    assert_bits_equal(got[0], ref[0])
+
+
+@pytest.mark.xla
+def test_kahan_rewritten_on_xla_equals_the_cpu(xla_device: torch.device) -> None:
+    for impl in ("auto", "foreach"):
+        ref = _rewritten_kahan("cpu", "foreach", torch.bfloat16)
+        got = _rewritten_kahan(xla_device, impl, torch.bfloat16)
+        assert_bits_equal(got[0], ref[0])
+        assert bool((got[1][:, :32] == 0).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    exponent=st.integers(-140, 120),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
+def test_kahan_store_never_leaves_a_compensation_its_load_drops(
+    exponent: int, seed: int, dtype: torch.dtype
+) -> None:
+    """The stale rule must never fire on a compensation a store wrote: for fp32 values
+    around ``2**exponent`` (subnormal, normal, overflowing to inf in fp16, exact ties and
+    powers of two included), load(store(x)) is ``param + compensation`` exactly."""
+    from mpfunc.strategies import _strategy_kahan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, generator=gen) * 2.0**exponent
+    grid = x.to(dtype).float()
+    x[:64] = grid[:64]  # exact: a zero compensation
+    x[64:128] = grid[64:128] * (1 + 2.0**-9)  # near ties of bf16
+    x[128:136] = 2.0 ** torch.arange(exponent - 4, exponent + 4).float()
+    unit = _strategy_kahan.KahanMaster(torch.zeros(512, dtype=dtype), torch.zeros(512, dtype=dtype))
+    _strategy_kahan._store([unit], [x], None)
+    (loaded,) = _strategy_kahan._load([unit])
+    want = unit.param.float() + unit.compensation.float()
+    finite = want.isfinite()  # (values: a -0.0 param loads as -0.0, as before)
+    assert torch.equal(loaded[finite], want[finite])
+
+
 # --- a unit whose param shows another master ------------------------------------------------
 
 

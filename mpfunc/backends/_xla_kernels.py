@@ -81,7 +81,7 @@ import torch
 
 from mpfunc.core import _rng
 from mpfunc.state_formats import _state_format
-from mpfunc.strategies import _strategy
+from mpfunc.strategies import _strategy, _strategy_kahan
 
 if TYPE_CHECKING:
     from mpfunc.core._optimizer import Group
@@ -667,10 +667,13 @@ class _B:
         x = self.to(unit[0], dtype, f32)
         if s != "kahan":
             return x
-        # Kahan: ``param.float().add_(compensation.float())``, a zero param adding -0.0 (its
-        # compensation is stale: ``_strategy_kahan._load``).
+        # Kahan: ``param.float().add_(compensation.float())``, but -0.0 added where the
+        # compensation is stale: a zero param, or one too large for the param
+        # (``_strategy_kahan._load``).
         c = self.to(unit[1], dtype, f32)
-        return x + (x == x.zeros_like()).select(c.scalar_like(-0.0), c)
+        half_ulp = self.f32(_strategy_kahan.HALF_ULP[dtype])
+        stale = (x == x.zeros_like()) | (self.abs(c) > self.abs(x) * half_ulp)
+        return x + stale.select(c.scalar_like(-0.0), c)
 
     def store(self, skip: Any, group: _Leaves, i: int, unit: list[Any], x: Any) -> list[Any]:
         """The master's tensors after the step (``x``: its new fp32 value), each keeping its

@@ -52,15 +52,30 @@ def _make(p: torch.Tensor, seed: int, index: int) -> KahanMaster:
     return KahanMaster(p, _sharding.like_(c, p))
 
 
+# |x| * HALF_ULP[dtype] bounds half the ulp of a normal x of that dtype (its significand
+# bits: 8 for bfloat16, 11 for float16).
+HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
 def _load(units: list[Any]) -> list[torch.Tensor]:
-    """``param + compensation``, but a zero param is its master: a store that rounds a
-    master to +-0 leaves a compensation of the same zero (the master is within half the
-    smallest subnormal), so any other is stale, left by a write to the param (pruning,
-    ``nn.init.zeros_``), and the master is the written zero, sign kept (``-0.0`` added
-    keeps either zero)."""
-    return [
-        u.param.float().add_(torch.where(u.param == 0, -0.0, u.compensation.float())) for u in units
-    ]
+    """``param + compensation`` where the compensation can belong to this param, else the
+    param alone (``-0.0`` added keeps either zero).
+
+    A store leaves ``|compensation| <= ulp(param) / 2 <= |param| * HALF_ULP``, and a
+    zero or subnormal param a zero compensation (the master is within half its spacing).
+    Any other compensation is stale, left by a write to the param (pruning,
+    ``nn.init.zeros_``, a re-init or surgery to smaller values): it was sized for the old
+    value, up to half its ulp, and added to the written one it moved a param written
+    from ~100 to 0.01 by up to 0.2 (found in review). Dropped, the master is the written
+    value; a write to a value of the old magnitude keeps the old compensation, within
+    half a step of the written value. The native pass and the XLA node apply the same
+    rule (``kahan_comp``, ``Builder.load``)."""
+    out = []
+    for u in units:
+        p, c = u.param.float(), u.compensation.float()
+        stale = (p == 0) | (c.abs() > p.abs() * HALF_ULP[u.param.dtype])
+        out.append(p.add_(torch.where(stale, -0.0, c)))
+    return out
 
 
 def _store(units: list[Any], values: list[torch.Tensor], skip: torch.Tensor | None) -> None:

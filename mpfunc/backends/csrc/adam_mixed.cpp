@@ -88,6 +88,8 @@ struct F32 {
 
 struct BF16 {
   using T = u16;
+  // |x| * kHalfUlp bounds half the ulp of a normal x (an 8-bit significand).
+  static constexpr float kHalfUlp = 0x1.0p-8f;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   static constexpr u16 kNaN = 0xFFFF;
 #else
@@ -106,6 +108,7 @@ struct BF16 {
 
 struct F16 {
   using T = u16;
+  static constexpr float kHalfUlp = 0x1.0p-11f;  // an 11-bit significand
   // Exact widening: normals by rebiasing the exponent with one multiply, subnormals by
   // a magic-number subtraction; both are exact in float32.
   static float load(u16 h) {
@@ -1327,14 +1330,20 @@ struct CLeaf {
   LeafCoef coef;
 };
 
-// The compensation a Kahan master adds to its param: -0.0 (which keeps either zero) for a
-// zero param. A store that rounds a master to +-0 leaves a compensation of the same zero
-// (the master is within half the smallest subnormal), so any other is stale, left by a
-// write to the param (pruning), and the master is that zero (_strategy_kahan._load).
+// The compensation a Kahan master adds to its param (_strategy_kahan._load): -0.0 (which
+// keeps either zero) where it cannot belong to this param, else itself. A store leaves
+// |compensation| <= half the param's ulp <= |param| * 2^-8 (bf16; 2^-11 for fp16), and a
+// zero (or subnormal) param a zero compensation; any other is stale, left by a write to the
+// param (pruning, a re-init to smaller values), and the master is the written value.
+template <class X>
 MPF_INLINE fVec kahan_comp(const fVec& p, const fVec& c) {
-  return fVec::blendv(c, fVec(-0.0f), p == fVec(0.0f));
+  const fVec stale = (p == fVec(0.0f)) | (c.abs() > p.abs() * fVec(X::kHalfUlp));
+  return fVec::blendv(c, fVec(-0.0f), stale);
 }
-MPF_INLINE float kahan_comp(float p, float c) { return p == 0.0f ? -0.0f : c; }
+template <class X>
+MPF_INLINE float kahan_comp(float p, float c) {
+  return p == 0.0f || std::fabs(c) > std::fabs(p) * X::kHalfUlp ? -0.0f : c;
+}
 
 // Equal strides where they matter: a dim of size 1 is never stepped along, so its stride
 // (1 for a transposed (40, 1) -> (1, 40) param, 40 for its contiguous grad) says nothing
@@ -1358,11 +1367,11 @@ void load_kahan(const CLeaf& L, std::int64_t b, std::int64_t e, float* dst) {
   for (; i + kBlock <= n; i += kBlock) {
     load2<X, true>(P + i, kBlock, p0, p1);
     load2<X, true>(C + i, kBlock, c0, c1);
-    store2<F32, true>(dst + i, kBlock, p0 + kahan_comp(p0, c0), p1 + kahan_comp(p1, c1));
+    store2<F32, true>(dst + i, kBlock, p0 + kahan_comp<X>(p0, c0), p1 + kahan_comp<X>(p1, c1));
   }
   for (; i < n; ++i) {
     const float p = X::load(P[i]);
-    dst[i] = p + kahan_comp(p, X::load(C[i]));
+    dst[i] = p + kahan_comp<X>(p, X::load(C[i]));
   }
 }
 
@@ -1553,8 +1562,8 @@ struct SKahan {  // param + compensation (kahan_comp); store_kahan's block
     fVec c0, c1;
     load2<X, true>(static_cast<const u16*>(L.prim) + i, kBlock, p0, p1);
     load2<X, true>(static_cast<const u16*>(L.aux) + i, kBlock, c0, c1);
-    p0 = p0 + kahan_comp(p0, c0);
-    p1 = p1 + kahan_comp(p1, c1);
+    p0 = p0 + kahan_comp<X>(p0, c0);
+    p1 = p1 + kahan_comp<X>(p1, c1);
     return 0;
   }
   static MPF_INLINE void store(const CLeaf& L, std::int64_t i, const fVec& x0, const fVec& x1,
