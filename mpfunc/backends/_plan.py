@@ -801,8 +801,12 @@ def _decide(
         # A grad narrower than the step is upcast into a temporary laid out like the master
         # (_run_mixed), so only a full-precision grad's own layout counts.
         # A unit's values are loaded into temporaries: dense in the param's layout where
-        # the param is dense, contiguous where it is not (empty_like's preserve_format).
-        lay = f if plain or _dense(f) else torch.empty(f.shape, device="meta")
+        # the param is dense, else dense with its strides' order (empty_like's
+        # preserve_format, as every strategy's load makes them): a column of a column-major
+        # buffer loads column-major, not contiguous. Taken as contiguous, it met
+        # contiguous 8/4-bit temporaries and torch's fused kernel paired elements by
+        # memory position: scrambled moments, no error (found in review).
+        lay = f if plain or _dense(f) else torch.empty_like(f, device="meta")
         # Encoded moments load as contiguous fp32 temporaries: their format says which
         # tensor's layout stands in (8-bit: the codes').
         tensors = [
