@@ -87,3 +87,33 @@ def test_in_place_twins_refuse_inference_outputs() -> None:
     out["c"] = _inference(out["c"])
     regex = _at("grads_to_fp32_", "out.c", _NOT_IN_PLACE[0])
     _refused(ValueError, regex, mpfunc.grads_to_fp32_, _grads(), out)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.uint8], ids=str)
+@pytest.mark.parametrize("strategy", ["fp32", "kahan", "stochastic"])
+def test_inference_grads_are_read_on_every_path(strategy: str, state_dtype: Any) -> None:
+    """A grad is only read: one made in inference mode (an evaluation pass reused, a grad
+    from a hook run under ``torch.inference_mode()``) steps as any other. The composed
+    native pass once refused it from C++, after the group before it had stepped (the
+    partial write of a refused step; found in review)."""
+    runs = []
+    for inference in (False, True):
+        gen = torch.Generator().manual_seed(4)
+        params = {
+            "a": torch.randn(4, 40, generator=gen).to(torch.float16),
+            "b": torch.randn(4, 40, generator=gen).to(torch.bfloat16),
+        }
+        if strategy == "stochastic":
+            params["a"] = params["a"].bfloat16()
+        masters = mpfunc.init_master(params, strategy=strategy)
+        opt = mpfunc.adamw(lr=1e-2, state_dtype=state_dtype)
+        state = opt.init(masters)
+        for _ in range(2):
+            grads = {k: torch.randn(4, 40, generator=gen).to(v.dtype) for k, v in params.items()}
+            if inference:
+                grads = {k: _inference(g) for k, g in grads.items()}
+                assert all(g.is_inference() for g in grads.values())
+            kw = {"params": params} if strategy == "fp32" else {}
+            mpfunc.apply_update_(masters, grads, state, opt, **kw)
+        runs.append((params, masters, state))
+    assert_trees_bits_equal(runs[0], runs[1])

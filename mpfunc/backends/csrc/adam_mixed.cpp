@@ -2368,8 +2368,10 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
     TORCH_CHECK_VALUE(positional ? p.is_contiguous() : p.is_non_overlapping_and_dense(), fn,
                       ": at [", i, "]: expected a ", positional ? "contiguous" : "dense",
                       " master, got strides ", p.strides());
+    // (``written``: the step writes it, so no inference tensor outside inference mode; a
+    // grad is only read, and the torch path and the fp32 pass take one.)
     auto fits = [&](const char* what, const at::Tensor& t, std::optional<c10::ScalarType> dt,
-                    bool like) {
+                    bool like, bool written = true) {
       TORCH_CHECK_TYPE(t.device().is_cpu() && t.layout() == c10::kStrided &&
                            (!dt || t.scalar_type() == *dt),
                        fn, ": at [", i, "]: ", what, ": unexpected ", describe(t));
@@ -2377,8 +2379,9 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
         TORCH_CHECK_VALUE(t.sizes() == p.sizes() && same_strides(t, p), fn, ": at [", i, "]: ",
                           what, ": expected the master's shape and strides");
       }
-      TORCH_CHECK_VALUE(!(t.is_inference() && !c10::InferenceMode::is_enabled()), fn, ": at [",
-                        i, "]: ", what, ": an inference tensor outside torch.inference_mode()");
+      TORCH_CHECK_VALUE(!(written && t.is_inference() && !c10::InferenceMode::is_enabled()), fn,
+                        ": at [", i, "]: ", what,
+                        ": an inference tensor outside torch.inference_mode()");
     };
     if (s == kRemainder) {
       fits("remainder", auxs[i], c10::ScalarType::Short, true);
@@ -2400,7 +2403,7 @@ void check_composed(const char* fn, composed::Strategy s, composed::Format f, st
     const at::Tensor& g = grads[i];
     TORCH_CHECK_TYPE(is_low_or_f32(g.scalar_type()) && g.scalar_type() == grad_dtype, fn,
                      ": at [", i, "]: grads: expected one float dtype, got ", describe(g));
-    fits("grad", g, std::nullopt, true);
+    fits("grad", g, std::nullopt, true, /*written=*/false);
     if (has_out) {
       TORCH_CHECK_TYPE(params_out[i].scalar_type() == *out_dtype &&
                            is_low_or_f32(*out_dtype),
