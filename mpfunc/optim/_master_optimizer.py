@@ -42,7 +42,7 @@ from mpfunc.parallel import _sharding
 from mpfunc.strategies import _remainder
 from mpfunc.strategies._strategy import STRATEGIES
 from mpfunc.transforms import _step_in_backward
-from mpfunc.transforms._apply_update import apply_update_
+from mpfunc.transforms._apply_update import prepared_update_
 from mpfunc.transforms._init_master import check_params, init_master
 from mpfunc.transforms._partition import partition
 
@@ -317,6 +317,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         # (model.float()) holds the old rounding of its masters, widened, not new values.
         self._dtypes: dict[int, torch.dtype] = {}
         self._master_versions: list[int] = []  # of "fp32" masters: written through opt.state?
+        # Params whose "fp32" master was put in place through opt.state: the param shows it
+        # at the next step, after the checks (_round_written_masters).
+        self._shown: set[int] = set()
         # The dict put in self.state[param] and its entries then, to notice what a user
         # replaced there (None: no master, no state).
         self._linked: list[tuple[dict[str, Any], tuple[str, ...], tuple[Any, ...]] | None] = []
@@ -326,8 +329,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._varying: set[str] = set()  # groups whose non-lr values change (XLA: foreach)
         self._opt: Optimizer | None = None  # the partition, rebuilt when a group changes
         self._warned_no_grad = False  # NoGradWarning: once per optimizer
-        # Each group's "params" list and its length when added (_check_group_params).
-        self._group_params: list[tuple[list[Any], int]] = []
+        # Each group's "params" list and the params in it when added (_check_group_params).
+        self._group_params: list[tuple[list[Any], tuple[Any, ...]]] = []
         super().__init__(params, full)
         if step_in_backward:
             self._in_backward = _step_in_backward.optimizer_hooks(self)
@@ -461,7 +464,7 @@ class MasterOptimizer(torch.optim.Optimizer):
                 text = f"MasterOptimizer: param_groups[{i}]: {text}"
             raise type(e)(text) from e
         n_old, n = len(self._params), len(params)
-        self._group_params.append((group["params"], len(group["params"])))
+        self._group_params.append((group["params"], tuple(group["params"])))
         self._kinds += kinds
         self._params += params
         self._names += list(names)
@@ -510,18 +513,10 @@ class MasterOptimizer(torch.optim.Optimizer):
         state = self.state
         changed: list[tuple[int, dict[str, Any] | None]] = []
         for j, (p, linked) in enumerate(zip(self._params, self._linked)):
-            if linked is None:
+            if linked is None or self._untouched(j):
                 continue  # no master: torch.optim makes state at the first grad too
             entry = state.get(p)
-            held, keys, values = linked
-            # A replaced value keeps its key's place: same keys in the same order and the
-            # same objects mean nothing was replaced, added or removed.
-            if (
-                entry is held
-                and tuple(entry) == keys
-                and all(map(operator.is_, entry.values(), values))
-            ):
-                continue
+            _, keys, values = linked
             where = f"opt.state[{self._names[j]}]"
             if entry:
                 if not isinstance(entry, dict) or set(entry) != set(keys):
@@ -541,6 +536,21 @@ class MasterOptimizer(torch.optim.Optimizer):
             else:
                 self._replace(j, entry)
 
+    def _untouched(self, j: int) -> bool:
+        """Whether ``self.state`` holds param ``j``'s entry as linked: the same dict, with
+        the same keys in the same order and the same objects (a replaced value keeps its
+        key's place). One identity test per key; no tensor is read."""
+        linked = self._linked[j]
+        if linked is None:
+            return True
+        entry = self.state.get(self._params[j])
+        held, keys, values = linked
+        return (
+            entry is held
+            and tuple(entry) == keys
+            and all(map(operator.is_, entry.values(), values))
+        )
+
     def _replace(self, j: int, entry: dict[str, Any]) -> None:
         """Puts the entries of ``entry`` (checked) in place of the held ones for param ``j``."""
         label, linked = self._labels[j], self._linked[j]
@@ -555,20 +565,24 @@ class MasterOptimizer(torch.optim.Optimizer):
                 getattr(state, k)[j] = new
             elif isinstance(m, torch.Tensor):  # the "fp32" strategy's master itself
                 m = new
-                p = self._params[j]
-                with torch.no_grad(), _sharding.kept([p]):  # the param shows it at once
-                    p.detach().copy_(m)
-                self._versions[j] = p._version
+                # The param shows it at the step, once every check has passed (a refused
+                # step or load wrote it before: found in review): _round_written_masters.
+                self._shown.add(j)
             else:  # a strategy's buffer (a remainder, a compensation, a seed)
                 m = m._replace(**{k: new})
         self._masters[j] = m
         self._master_versions[j] = _version(m)
-        self._linked[j] = (entry, tuple(entry), tuple(entry.values()))
+        # Linked anew from the held state, which now holds the user's tensors: the fields
+        # are the group's current ones (a restate in this step may have added or dropped
+        # one since the user's entry was read).
+        self._link(j)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's ``state_dict()``, of the state the next step uses (writes into
         ``self.state`` taken up first)."""
+        self._check_group_params("MasterOptimizer.state_dict")
         self._take_up("MasterOptimizer.state_dict")
+        self._round_written_masters(replaced_only=True)  # such a master shows now
         return super().state_dict()
 
     def _lr_on_device(self, label: str, device: torch.device, value: float) -> torch.Tensor:
@@ -591,27 +605,35 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._lr_dev[(label, device)] = (t, value)
         return t
 
-    def _check_group_params(self) -> None:
+    def _check_group_params(self, fn: str = "MasterOptimizer.step") -> None:
         """The groups and their ``"params"`` lists are those the optimizer made masters for:
-        a param appended to ``param_groups[i]["params"]`` (which torch.optim would train)
-        or a group appended or removed by hand was not trained, with no word. Costs one
-        identity and one length test per group."""
+        a param appended to ``param_groups[i]["params"]`` or put in place of another
+        (which torch.optim would train), or a group appended or removed by hand, was not
+        trained, with no word (a replaced param: the old one went on training). Costs one
+        identity test per param."""
         held = self._group_params
         if len(self.param_groups) != len(held):
             raise ValueError(
-                f"MasterOptimizer.step: param_groups: expected the {len(held)} groups this "
+                f"{fn}: param_groups: expected the {len(held)} groups this "
                 f"optimizer holds, got {len(self.param_groups)}. Add a group with "
                 f"opt.add_param_group(...); a group cannot be removed (make a new optimizer)"
             )
-        for i, (group, (ps, n)) in enumerate(zip(self.param_groups, held)):
-            if group["params"] is not ps or len(ps) != n:
-                raise ValueError(
-                    f"MasterOptimizer.step: param_groups[{i}]['params']: expected the {n} "
-                    f"params the group was made with, got a list of {len(group['params'])} "
-                    f"{'(the same list, changed)' if group['params'] is ps else '(another list)'}"
-                    f": masters and state are made when a group is added. Add params with "
-                    f"opt.add_param_group({{'params': [...]}}) or make a new optimizer"
+        for i, (group, (ps, made)) in enumerate(zip(self.param_groups, held)):
+            if group["params"] is not ps or len(ps) != len(made):
+                got = f"a list of {len(group['params'])}" + (
+                    " (the same list, changed)" if group["params"] is ps else " (another list)"
                 )
+            elif not all(map(operator.is_, ps, made)):
+                k = next(k for k, (a, b) in enumerate(zip(ps, made)) if a is not b)
+                got = f"another tensor at params[{k}] than the param it was made with"
+            else:
+                continue
+            raise ValueError(
+                f"{fn}: param_groups[{i}]['params']: expected the "
+                f"{len(made)} params the group was made with, got {got}: masters and state "
+                f"are made when a group is added. Add params with "
+                f"opt.add_param_group({{'params': [...]}}) or make a new optimizer"
+            )
 
     def _build(self, label: str, group: Mapping[str, Any]) -> bool:
         """Builds the group's mpfunc optimizer from its current values, if they changed.
@@ -687,7 +709,11 @@ class MasterOptimizer(torch.optim.Optimizer):
         if changes:
             self._states[label] = state._replace(**changes)
             for j, lab in enumerate(self._labels):
-                if lab == label:
+                # An entry the user emptied or replaced is left for ``_take_up`` (later in
+                # this step), which starts it afresh or takes its tensors: relinked now, it
+                # was lost (``opt.state.clear()`` and ``amsgrad = True`` before one step
+                # went on from the old count and moments; found in review).
+                if lab == label and self._untouched(j):
                     self._link(j)
 
     def _optimizer(self) -> Optimizer:
@@ -743,15 +769,22 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._link(j)
         self._opt = None
 
-    def _round_written_masters(self) -> None:
+    def _round_written_masters(self, *, replaced_only: bool = False) -> None:
         """An "fp32" master written in place (``opt.state[p]["master"].mul_(2)``, a load)
         while its param was not is rounded into the param now: the step takes a param that
         differs from its master's rounding as the truth, and would undo the write. (A
-        param written too wins, as a write to the model does.)"""
+        param written too wins, as a write to the model does.) A master put in place
+        through ``opt.state`` (``_shown``) shows in its param whatever was written;
+        ``replaced_only``: those alone (``state_dict()``, which writes no other param)."""
+        shown, self._shown = self._shown, set()
         for j, (p, m) in enumerate(zip(self._params, self._masters)):
-            if not isinstance(m, torch.Tensor) or m._version == self._master_versions[j]:
+            if not isinstance(m, torch.Tensor):
                 continue
-            if p._version == self._versions[j]:
+            if j not in shown and (replaced_only or m._version == self._master_versions[j]):
+                continue
+            # A master put in place through opt.state (``shown``) wins over a param write
+            # too, as the user's latest word on that param.
+            if j in shown or p._version == self._versions[j]:
                 with torch.no_grad(), _sharding.kept([p]):
                     p.detach().copy_(m)
                 self._versions[j] = p._version
@@ -819,13 +852,14 @@ class MasterOptimizer(torch.optim.Optimizer):
         scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         opt = self._optimizer()
-        self._take_up(fn)
-        # Params frozen when added and trained now: all made before any is taken.
+        # Params frozen when added and trained now: all made before any is taken, and
+        # before the user's writes into opt.state are (a refusal here wrote nothing).
         pending = [
             j for j, (p, m) in enumerate(zip(self._params, self._masters))
             if m is None and p.grad is not None
         ]  # fmt: skip
         made = {j: self._made(j, fn) for j in pending}
+        self._take_up(fn)
         for j in pending:
             self._adopt(j, made[j])
         if self._opt is None:
@@ -833,23 +867,28 @@ class MasterOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             inf = found_inf != 0
             skip = inf if skip is None else torch.logical_or(skip, inf.to(skip.device))
-        self._round_written_masters()
-        self._resync()
         grads = [None if m is None else p.grad for p, m in zip(self._params, self._masters)]
         if all(g is None for g in grads):
+            self._round_written_masters()
+            self._resync()
             self._master_versions = [_version(m) for m in self._masters]
             if not self._warned_no_grad and any(m is not None for m in self._masters):
                 self._warned_no_grad = True
                 warnings.warn(_NO_GRAD, NoGradWarning, stacklevel=3)  # torch wraps step
             return loss  # no param has a grad: nothing to step, as in torch.optim
-        # One pass: grads upcast (and unscaled) inside the step, params written back.
+        # One pass: grads upcast (and unscaled) inside the step, params written back. Every
+        # check first; only then are the masters of params written outside refreshed (a
+        # refused step had written them, and a param whose dtype changed: found in review).
         try:
-            apply_update_(
-                self._masters, grads, self._states, opt, skip=skip, params=self._params,
-                scale=scale,
+            run = prepared_update_(
+                "apply_update_", self._masters, grads, self._states, opt, skip, self._params,
+                scale,
             )  # fmt: skip
         except (TypeError, ValueError) as e:  # checked before any write: say which param
             raise type(e)(f"MasterOptimizer.step: {self._named(str(e))}") from e
+        self._round_written_masters()
+        self._resync()
+        run()
         self._versions = [p._version for p in self._params]
         self._master_versions = [_version(m) for m in self._masters]
         return loss
@@ -901,6 +940,7 @@ class MasterOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         pending = state.pop("_pending", None)
+        state.setdefault("_shown", set())  # (a copy pickled before it existed)
         self.__dict__.update(state)
         params, masters = pending or ([False] * len(self._params), [False] * len(self._masters))
         # A copy's params and masters are new tensors with their own version counters; a
@@ -1071,6 +1111,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                     )
         for j, pair in made.items():
             self._adopt(j, pair)  # the tensors of dst become its state
+        # Masters put in place through opt.state before the load are loaded over: the
+        # loaded values show in the params as any write into a master does.
+        self._shown.clear()
         _plan.copy_grouped_(dst, src)
         with torch.no_grad():
             for p, rounded in rewrites:  # params of old "remainder" entries, nearest even

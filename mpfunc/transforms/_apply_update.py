@@ -18,6 +18,7 @@ repeated call with identical inputs (``_cache``) steps 1 to 3 are remembered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -457,29 +458,47 @@ def apply_update_(
         write that cannot be written in place (an inference tensor outside
         ``torch.inference_mode()``, a negative or conjugate view).
     """
-    fn = "apply_update_"
-    step = _check(fn, masters, grads, opt, skip, params, scale, stats, in_place=True)
-    # Without a torch_xla.sync() between steps, XLA graphs grow: noticed (_xla_watch).
-    begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
-    # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept). Outside
-    # it no context manager or generator is made: torch 2.11's dynamo broke the graph on
-    # them and then failed in its own codegen (torch.compile of the whole step).
-    if _sharding.active():
-        with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
-            _plan_and_run(fn, step, state, opt)
-    else:
-        _plan_and_run(fn, step, state, opt)
-    _xla_watch.step_ends(begun, step.faces or [])
+    prepared_update_("apply_update_", masters, grads, state, opt, skip, params, scale, stats)()
     return masters, state
 
 
-def _plan_and_run(fn: str, step: Step, state: Any, opt: Optimizer) -> None:
+def prepared_update_(
+    fn: str,
+    masters: Any,
+    grads: Any,
+    state: Any,
+    opt: Optimizer,
+    skip: torch.Tensor | None = None,
+    params: Any = None,
+    scale: ScaleArg = None,
+    stats: Any = None,
+) -> Callable[[], None]:
+    """``apply_update_``'s checks and plan, every one, with nothing written; returns the
+    call that runs the step (once, before anything else writes to these trees' structure
+    or dtypes; values may change in between). For a caller with writes of its own that
+    must wait until the step is known to be accepted: ``MasterOptimizer.step`` refreshes
+    masters from params written outside only then (a refused step had written them)."""
+    step = _check(fn, masters, grads, opt, skip, params, scale, stats, in_place=True)
     work = opt.plan(step, state, fn)
     # The call's one memory check, over the masters, params, grads and every plan's state,
     # before the first write (none when every check was remembered).
     assert step.sweep is not None
     step.sweep.run(fn)
-    _run_streams(step, work)
+
+    def run() -> None:
+        # Without a torch_xla.sync() between steps, XLA graphs grow: noticed (_xla_watch).
+        begun = _xla_watch.step_begins(fn, step.faces or [], step.grads.leaves)
+        # Under XLA SPMD every written tensor keeps its sharding (see _sharding.kept).
+        # Outside it no context manager or generator is made: torch 2.11's dynamo broke
+        # the graph on them and then failed in its own codegen (torch.compile of the step).
+        if _sharding.active():
+            with _sharding.kept(_sharding.tensors(masters, state, params, stats)):
+                _run_streams(step, work)
+        else:
+            _run_streams(step, work)
+        _xla_watch.step_ends(begun, step.faces or [])
+
+    return run
 
 
 # An odd int32 constant (MurmurHash3's c2) that spreads shard indices over the key space.
