@@ -63,7 +63,15 @@ def main(argv: list[str] | None = None) -> float:
             g32 = mpfunc.all_reduce_grads(grads, reduce_dtype=torch.float32)
         else:  # each grad goes only to its owner: about half the traffic
             g32 = mpfunc.reduce_grads_to_owners(grads, plan, reduce_dtype=torch.float32)
-        mpfunc.apply_update_(masters, g32, state, opt, skip=~mpfunc.all_finite(g32))
+        finite = mpfunc.all_finite(g32)
+        if not args.unsharded:
+            # g32 holds this rank's leaves only: one skip decision for every rank (a rank
+            # skipping alone would leave the model half stepped). A global-norm clip needs
+            # the same: the sum of the ranks' squared norms.
+            flag = finite.to(torch.float32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = flag > 0
+        mpfunc.apply_update_(masters, g32, state, opt, skip=~finite)
         mpfunc.masters_to_model_(masters, mpfunc.shard(params, plan, mine))
         if not args.unsharded:
             mpfunc.broadcast_params_(params, plan)  # owners -> every replica

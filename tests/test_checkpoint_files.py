@@ -28,7 +28,7 @@ _STUCK_SAVER = textwrap.dedent(
     import sys, time, torch, mpfunc
 
     def stuck(obj, f, *args, **kwargs):
-        f.write(b"x" * 4096)
+        f.write(b"PK\\x03\\x04" + b"x" * 4092)  # the start of a zip, as torch writes it
         f.flush()
         print("writing", flush=True)
         time.sleep(600)
@@ -155,6 +155,48 @@ def test_a_missing_folder_error_names_the_users_path(tmp_path: pathlib.Path) -> 
         mpfunc.save(tmp_path / "dir.pt", {"w": torch.zeros(1)})
     assert str(tmp_path / "dir.pt") in str(info2.value) and "mpfunc-tmp" not in str(info2.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.pt"]
+
+
+def test_a_users_file_named_like_a_temp_is_not_removed(tmp_path: pathlib.Path) -> None:
+    # Found in review: any unlocked regular file with a temporary's name was removed. A
+    # dead save leaves nothing or the start of torch's zip; anything else is kept.
+    theirs = tmp_path / ".data.mpfunc-tmp-123-abcdef01"
+    theirs.write_text("user data")
+    dead = tmp_path / ".ck.pt.mpfunc-tmp-124-abcdef02"
+    dead.write_bytes(b"PK\x03\x04partial")
+    empty = tmp_path / ".ck.pt.mpfunc-tmp-125-abcdef03"
+    empty.write_bytes(b"")
+    mpfunc.save(tmp_path / "other.pt", {"w": torch.ones(2)})
+    assert theirs.read_text() == "user data"
+    assert not dead.exists() and not empty.exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and SIGXFSZ: Linux")
+def test_a_write_that_fails_midway_is_an_oserror_naming_the_path(tmp_path: pathlib.Path) -> None:
+    # A full disk, here a file size limit: torch's zip writer reported the failed write as
+    # "unexpected pos 832 vs 726" (found in review). The old file stays, no temp is left.
+    script = textwrap.dedent(
+        f"""
+        import os, resource, signal, torch, mpfunc
+        path = {str(tmp_path / "ck.pt")!r}
+        mpfunc.save(path, {{"w": torch.ones(4)}})
+        old = open(path, "rb").read()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        try:
+            mpfunc.save(path, {{"w": torch.randn(1 << 20)}})
+        except OSError as e:
+            print(type(e).__name__, e.errno, e)
+        assert open(path, "rb").read() == old
+        print(sorted(os.listdir(os.path.dirname(path))))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    assert out[0].startswith("OSError 27 [Errno 27] save: cannot write ") and "ck.pt" in out[0], out
+    assert "File too large" in out[0], out
+    assert out[1] == "['ck.pt']", out
 
 
 def test_leaves_without_plain_values_are_refused_before_writing(tmp_path: pathlib.Path) -> None:

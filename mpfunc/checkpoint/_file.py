@@ -100,16 +100,27 @@ class _CrcWriter:
         self.crc = 0
         self.size = 0
         self.tail = b""
+        # The first OSError of a write or flush (a full disk, a file size limit): torch's
+        # zip writer turns it into "unexpected pos" RuntimeErrors, so save() says it.
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
         self.tail = (self.tail + bytes(view[-_EOCD_LEN:]))[-_EOCD_LEN:]
-        return self.f.write(view)
+        try:
+            return self.f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
 
 def _seal(f: IO[bytes], w: _CrcWriter) -> None:
@@ -404,8 +415,9 @@ def _remove_stale(folder: str) -> None:
     ``save("ckpt-100.pt")`` is cleaned up by the next ``save("ckpt-200.pt")``.
 
     Only names ``_create_temp`` makes (``.<name>.mpfunc-tmp-<pid>-<8 hex digits>``) that
-    are regular files are candidates. Each writer holds an exclusive ``flock`` on its
-    temporary file until the file has been renamed into place, and the kernel drops the
+    are regular files, empty or starting as torch's zip does, are candidates. Each writer
+    holds an exclusive ``flock`` on its temporary file until the file has been renamed into
+    place, and the kernel drops the
     lock when the writer dies (even by SIGKILL). A temporary file whose lock can be
     taken therefore has no live writer, whatever its pid says: pids are reused (a
     restarted job in a container often gets the dead one's pid back) and mean nothing
@@ -434,6 +446,11 @@ def _remove_stale(folder: str) -> None:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
+                continue
+            # What a save leaves: nothing yet, or the start of torch's zip. A file of that
+            # name holding anything else is not ours (found in review: a user's file
+            # named like a temporary was removed).
+            if os.read(fd, 4) not in (b"", b"PK\x03\x04"):
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.path.samestat(os.lstat(tmp), st):  # still the file we locked
@@ -540,11 +557,17 @@ def save(path: PathLike, tree: Any) -> None:
     folder, base = os.path.split(target)
     _remove_stale(folder)
     fd, tmp = _create_temp(fn, where, folder, base)
+    w: _CrcWriter | None = None
     try:
         _keep_mode(fd, target)
         with os.fdopen(fd, "wb") as f:
             w = _CrcWriter(f)
-            torch.save(host, cast(IO[bytes], w))  # torch only calls write and flush
+            try:
+                torch.save(host, cast(IO[bytes], w))  # torch only calls write and flush
+            except RuntimeError as e:  # torch's report of a failed write: the write's own
+                if w.error is None:
+                    raise
+                raise _user_error(fn, where, folder, w.error) from e
             _seal(f, w)
             f.flush()
             os.fsync(f.fileno())

@@ -25,6 +25,13 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 _OPS = ("mean", "sum")
 
 
+def divides_first(op: str, dtype: torch.dtype) -> bool:
+    """Whether a reduction of ``op`` in ``dtype`` divides each rank's part by the world size
+    before the sum: a mean of fp16, whose range is narrow (as DDP does: two ranks' grads
+    near 65504 would sum to inf). Other dtypes divide the sum."""
+    return op == "mean" and dtype == torch.float16
+
+
 # --- checks -----------------------------------------------------------------------------
 
 
@@ -177,9 +184,7 @@ def _reduce(
         itemsize = torch.empty((), dtype=rdtype).element_size()
         for run in buckets(idx, leaves, itemsize, bucket_bytes):
             flat, pieces = pack(leaves, run, rdtype)
-            # fp16's range is narrow: a mean divides first (as DDP does), or two ranks' grads
-            # near 65504 would sum to inf. Other dtypes divide the sum.
-            before = op == "mean" and rdtype == torch.float16
+            before = divides_first(op, rdtype)
             if before:
                 flat.div_(world)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
@@ -199,7 +204,7 @@ def _reduce_xla(
     world = xr.world_size()
     # As on the eager path: an fp16 mean divides before the sum (torch_xla's ``scale``
     # multiplies the sum, which two participants' grads near 65504 overflow to inf).
-    before = op == "mean" and rdtype == torch.float16 and world > 1
+    before = divides_first(op, rdtype) and world > 1
     scale = 1.0 / world if op == "mean" and not before else 1.0
     tensors = [
         leaves[i].to(rdtype) if leaves[i].dtype != rdtype else leaves[i].clone() for i in idx
@@ -253,7 +258,10 @@ def all_reduce_grads(
     The first call with a given tree (paths, shapes, dtypes) and settings compares a
     fingerprint of both across the ranks: one all-gather of 8 ints (on XLA, one small
     graph of its own, read back once). Later calls with the same tree and settings pay a
-    dict lookup.
+    dict lookup, so ranks that each switch to a tree they agreed on before (rank 0 to tree
+    X, rank 1 to tree Y, both compared earlier) are not compared again: where the buckets
+    line up (same dtypes and sizes) their leaves are summed crosswise, with no error. Call
+    with the same tree on every rank, as the collectives require.
 
     Args:
       grads: a tree of floating tensors or ``None`` (the same tree on every rank).

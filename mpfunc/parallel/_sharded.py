@@ -125,11 +125,16 @@ def reduce_grads_to_owners(
             dst = r if group is None else dist.get_global_rank(group, r)
             for run, wire in _owned_runs(leaves, p_leaves, r, reduce_dtype, bucket_bytes):
                 flat, pieces = _all_reduce.pack(leaves, run, wire)
+                # An fp16 mean divides each part first, as all_reduce_grads does (dividing
+                # the sum overflowed: two ranks' 40000 reached the owner as inf).
+                first = _all_reduce.divides_first(op, flat.dtype)
+                if first and world > 1:
+                    flat.div_(world)
                 if world > 1:
                     dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group)
                 if r != me:
                     continue
-                if op == "mean":
+                if op == "mean" and not first:
                     flat.div_(world)
                 for i, piece in zip(run, pieces):
                     out[i] = _all_reduce.in_layout(piece, leaves[i])

@@ -191,6 +191,10 @@ def scenario_mismatch(rank: int, world: int, out: str) -> None:
     for reduced in (mpfunc.all_reduce_grads(big), mpfunc.all_reduce_grads_(big)):
         if not torch.equal(reduced["w"], torch.full((8,), 40000.0, dtype=torch.float16)):
             raise SystemExit(f"fp16 mean: {reduced['w']}")
+    # reduce_grads_to_owners too (its owner divided the sum: inf; found in review).
+    owned = mpfunc.reduce_grads_to_owners(big, {"w": 0})
+    if rank == 0 and not torch.equal(owned["w"], big["w"]):
+        raise SystemExit(f"fp16 mean to the owner: {owned['w']}")
     params = dict(make_model(torch.bfloat16).named_parameters())
     if rank == 1:
         params["extra.weight"] = torch.zeros(3)
