@@ -141,9 +141,13 @@ def _shared_inputs(
     """lr (and, for a float lr, AdamW's ``1 - lr * weight_decay``), the skip flag and the
     loss scale as 0-d device tensors, in that order, and their part of the key.
 
-    A float lr becomes a 0-d fp32 input, never a constant, so a schedule of floats does not
-    recompile (torch_xla keeps such scalars as cached device data). Its decay factor is
-    computed in float64 and rounded once, as ``_adam._foreach`` does with a float lr.
+    A float lr becomes a 0-d fp32 input, so a schedule of floats does not recompile
+    (torch_xla keeps such scalars as cached device data, no transfer), except at exactly
+    0.0 and 1.0, which torch_xla bakes into the graph as constants: each compiles a graph
+    of its own once (so does a float loss scale of 1.0, or a decay factor of 1.0). A 1-element
+    host tensor instead would transfer at every step, and a graph of another shape would
+    compile anyway (tried; found in review); a 0-d tensor lr avoids both. Its decay factor
+    is computed in float64 and rounded once, as ``_adam._foreach`` does with a float lr.
     """
     inputs = [_scalar(fn, "lr", lr, device)]
     lr_kind = "tensor" if isinstance(lr, torch.Tensor) else "float"
@@ -797,10 +801,12 @@ class _B:
 
     def barrier(self, x: Any, shape: Sequence[int]) -> Any:
         """``x`` (of ``shape``), stored once between XLA's fusions (an identity gather), on
-        XLA:CPU only (``cpu_forms``); else ``x``."""
-        if not self.cpu_forms:
-            return x
+        XLA:CPU only (``cpu_forms``); else ``x``, and for an empty ``x`` (a gather of no
+        elements is refused by XLA: an empty "remainder" or "kahan" leaf failed the whole
+        node after other groups had stepped; found in review)."""
         n = math.prod(shape)
+        if not self.cpu_forms or n == 0:
+            return x
         idx = self.xb.Op.iota(self.builder, self.xb.mkshape("s32", (n, 1)), 0)
         dims = {"offset_dims": [], "collapsed_slice_dims": [0], "start_index_map": [0]}
         operands = (x.reshape([n]).op, idx.op)
@@ -1048,7 +1054,8 @@ def step(
       group: the kernel's ``Group``: ``params`` fp32 masters or the units of one master
         strategy (``PARAM_DTYPES``), grads of any floating dtype (widened inside, as
         ``grads_to_fp32_`` does), ``state.step`` 0-d float32 counts, ``lr`` a float or a 0-d
-        float32 device tensor (changing either never recompiles), ``skip`` (bool or float,
+        float32 device tensor (changing either recompiles nothing; a float of exactly 0.0
+        or 1.0 compiles one graph each: ``_shared_inputs``), ``skip`` (bool or float,
         nonzero: every state tensor keeps its bits), ``scale`` the loss scale the widened
         grads are divided by, ``model`` (fp32 masters only) the params that receive the
         masters rounded, ``salts`` each leaf's place in the tree (8-bit moments' draws).

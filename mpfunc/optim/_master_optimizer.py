@@ -1115,6 +1115,13 @@ class MasterOptimizer(torch.optim.Optimizer):
         # loaded values show in the params as any write into a master does.
         self._shown.clear()
         _plan.copy_grouped_(dst, src)
+        # Each loaded "fp32" master is a written one, whatever the version counters say:
+        # torch_xla's foreach copy bumps none, and the next step took the params' old
+        # values over the loaded masters on XLA only (found in review).
+        loaded = {id(t) for t in dst}
+        for j, m in enumerate(self._masters):
+            if isinstance(m, torch.Tensor) and id(m) in loaded:
+                self._master_versions[j] = -1  # never a counter's value
         with torch.no_grad():
             for p, rounded in rewrites:  # params of old "remainder" entries, nearest even
                 p.detach().copy_(rounded.to(p.device))
