@@ -87,7 +87,7 @@ def _optimizer(data: st.DataObject) -> tuple[str, dict[str, Any]]:
     if kw["momentum"]:
         kw["nesterov"] = data.draw(st.booleans(), "nesterov")
         if not kw["nesterov"]:
-            kw["dampening"] = data.draw(st.sampled_from([0.0, 0.3]), "dampening")
+            kw["dampening"] = data.draw(st.sampled_from([0.0, 0.3, 0.9]), "dampening")
     return name, kw
 
 

@@ -2991,15 +2991,16 @@ void step_rule_(std::int64_t rule, std::int64_t strategy, std::int64_t format,
   std::vector<RLeaf> leaves(n);
   std::vector<std::int64_t> numels(n);
   std::int64_t total = 0;
-  const float neg_damp = float(-b);
+  const float keep = float(1.0 - b);  // 1 - dampening in double, rounded once (as torch)
   for (std::size_t i = 0; i < n; ++i) {
     float* step_ptr = steps[i].data_ptr<float>();
     const float before = *step_ptr;
     *step_ptr = before + 1.0f;
     RLeaf& R = leaves[i];
-    // _sgd: coef = clamp_max(step, 1) * -dampening + 1, in float32 ops, before the increment.
+    // _sgd's _dampened: m * fp32(1 - dampening) + (1 - m), m = min(step, 1) before the
+    // increment (1 on the first step, exact for m in {0, 1}; NaN stays NaN).
     const float c = before != before ? before : std::min(before, 1.0f);
-    R.damp = float(c * neg_damp) + 1.0f;
+    R.damp = float(c * keep) + (1.0f - c);
     CLeaf& L = R.c;
     L.prim = prims[i].data_ptr();
     L.aux = has_aux ? auxs[i].data_ptr() : nullptr;
