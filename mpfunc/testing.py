@@ -315,9 +315,11 @@ def assert_steps_agree(
 
         max|a - b| <= rtol * M + atol
 
-    where ``M`` is the largest magnitude the reference leaf has reached so far (mpfunc's
-    own bound against torch.optim is ``rtol=1e-6``). Trees must match in structure;
-    non-floating leaves and ``None`` must be equal; NaN matches only NaN.
+    where ``M`` is the largest finite magnitude the reference leaf has reached so far
+    (mpfunc's own bound against torch.optim is ``rtol=1e-6``). Trees must match in
+    structure; non-floating leaves (Python values included) and ``None`` must be equal;
+    NaN matches only NaN, and an infinity only the same infinity; complex leaves are
+    compared in both parts.
 
     Returns:
       An ``Agreement`` (the worst error/bound ratio and where).
@@ -337,10 +339,17 @@ def assert_steps_agree(
         paths = None
         for k, (x, y) in enumerate(zip(la, lb)):
             if x is None or y is None or not isinstance(x, torch.Tensor):
-                if (x is None) != (y is None):
+                # None, and anything not a tensor (a returned Python loss): equal, or an
+                # error (a non-tensor leaf passed unread before: found in review).
+                same = (x is None) == (y is None) and (
+                    x is None or (type(x) is type(y) and (x == y or (x != x and y != y)))
+                )
+                if not same:
                     paths = paths or _tree.leaf_paths(a)
                     raise AssertionError(f"step {i}: at {paths[k]!r}: {x!r} vs {y!r}")
                 continue
+            if x.is_complex() or y.is_complex():  # compared as their two real parts
+                x, y = torch.view_as_real(x.resolve_conj()), torch.view_as_real(y.resolve_conj())
             x64, y64 = x.detach().cpu().double(), y.detach().cpu().double()
             if x64.shape != y64.shape:
                 paths = paths or _tree.leaf_paths(a)
@@ -353,7 +362,14 @@ def assert_steps_agree(
             if not torch.equal(x64.isnan(), y64.isnan()):
                 paths = paths or _tree.leaf_paths(a)
                 raise AssertionError(f"step {i}: at {paths[k]!r}: NaN in one step only")
-            finite = ~y64.isnan()
+            # An infinity matches only the same infinity, and takes no part in the bound:
+            # as the largest magnitude it made every bound infinite, and inf - inf a NaN
+            # error that compared as no error (found in review).
+            infinite = y64.isinf() | x64.isinf()
+            if not torch.equal(x64[infinite], y64[infinite]):
+                paths = paths or _tree.leaf_paths(a)
+                raise AssertionError(f"step {i}: at {paths[k]!r}: an infinity in one step only")
+            finite = y64.isfinite() & x64.isfinite()
             if x64.numel() == 0 or not bool(finite.any()):
                 continue
             peak[k] = max(peak.get(k, 0.0), float(y64[finite].abs().max()))

@@ -98,3 +98,30 @@ def test_uint8_state_under_torch_compile_matches_eager() -> None:
         assert torch.equal(_bits(c.scale), _bits(e.scale))
         diff = int((c.codes != e.codes).sum())
         assert diff == 0, f"{diff} of {e.codes.numel()} codes differ from eager"
+
+
+@needs_29
+def test_a_compiled_8bit_step_with_a_skip_flag_runs_as_eager() -> None:
+    # Found in review: with a skip tensor and a 64-element leaf, the compiled step's kernel
+    # failed inductor's bounds check on the stochastic encode's table gather, after the
+    # master, count, codes and param were written. The encode now computes the two table
+    # entries by the table's own division, with no gather.
+    import copy
+
+    gen = torch.Generator().manual_seed(0)
+    params = {"b": torch.randn(64, generator=gen).to(torch.bfloat16)}
+    masters = mpfunc.init_master(params)
+    opt = mpfunc.adamw(lr=torch.tensor(1e-2), weight_decay=0.1, state_dtype=torch.uint8)
+    state = opt.init(masters)
+    eager = copy.deepcopy((masters, state, params))
+    step = torch.compile(
+        lambda m, g, st, s, p: mpfunc.apply_update_(m, g, st, opt, s, params=p), fullgraph=True
+    )
+    for k in range(3):
+        g = {"b": (torch.randn(64, generator=gen) * 0.1).to(torch.bfloat16)}
+        step(masters, g, state, torch.tensor(k == 1), params)
+        mpfunc.apply_update_(eager[0], g, eager[1], opt, torch.tensor(k == 1), params=eager[2])
+    for field in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(state, field)["b"].codes, getattr(eager[1], field)["b"].codes)
+    assert torch.equal(params["b"], eager[2]["b"])
+    torch.testing.assert_close(masters["b"], eager[0]["b"], rtol=1e-6, atol=0)

@@ -205,3 +205,23 @@ def test_an_empty_unit_leaf_steps_on_xla(xla_device: torch.device, strategy: str
     for k in ("a", "f"):
         torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-2, atol=1e-6)
     assert results[1]["empty"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("make", ["sgd", "adamw"])
+def test_from_torch_carries_the_defaults_to_groups_added_later(make: str) -> None:
+    # A group added later took mpfunc's factory defaults (lr 1e-3, no momentum), where
+    # torch.optim fills it from the built values (found in review).
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    if make == "sgd":
+        t: torch.optim.Optimizer = torch.optim.SGD(
+            a.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1
+        )
+        keys = ("lr", "momentum", "weight_decay")
+    else:
+        t = torch.optim.AdamW(a.parameters(), lr=0.05, betas=(0.8, 0.95), weight_decay=0.3)
+        keys = ("lr", "betas", "weight_decay")
+    opt = mpfunc.MasterOptimizer.from_torch(t)
+    opt.add_param_group({"params": list(b.parameters())})
+    t.add_param_group({"params": list(torch.nn.Linear(4, 4).parameters())})
+    for k in keys:
+        assert opt.param_groups[1][k] == t.param_groups[1][k], k

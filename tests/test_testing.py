@@ -3,6 +3,7 @@ and the example that property-tests a custom loop with them."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -99,6 +100,40 @@ def test_steps_agree_within_the_bound_and_not_beyond() -> None:
         mt.assert_steps_agree(lambda i: {"w": torch.ones(1)}, lambda i: [torch.ones(1)], 1)
     with pytest.raises(AssertionError, match=r"at 'w': None vs"):
         mt.assert_steps_agree(lambda i: {"w": None}, lambda i: {"w": torch.ones(1)}, 1)
+
+
+@pytest.mark.parametrize(
+    "got, want",
+    [
+        ([1.0, 1.0], [math.inf, 1.0]),  # a finite value against an infinity
+        ([-math.inf], [math.inf]),  # the other infinity
+        ([math.inf, 1.0], [math.inf, 100.0]),  # inf - inf was a NaN error: no error
+    ],
+)
+def test_steps_agree_catches_disagreements_beside_infinities(
+    got: list[float], want: list[float]
+) -> None:
+    # Found in review: an infinity in the reference made the bound infinite (or the error
+    # NaN), so every one of these passed with worst_ratio 0.
+    with pytest.raises(AssertionError):
+        mt.assert_steps_agree(lambda i: torch.tensor(got), lambda i: torch.tensor(want), steps=1)
+
+
+def test_steps_agree_compares_python_and_complex_leaves() -> None:
+    with pytest.raises(AssertionError, match=r"1\.0 vs 2\.0"):
+        mt.assert_steps_agree(
+            lambda i: (torch.ones(2), 1.0), lambda i: (torch.ones(2), 2.0), steps=1
+        )
+    with pytest.raises(AssertionError):
+        mt.assert_steps_agree(
+            lambda i: torch.tensor([1 + 1j]), lambda i: torch.tensor([1 + 5j]), steps=1
+        )
+    same = mt.assert_steps_agree(
+        lambda i: (torch.tensor([math.inf, 2.0]), 3),
+        lambda i: (torch.tensor([math.inf, 2.0]), 3),
+        steps=2,
+    )
+    assert same.worst_ratio == 0.0
 
 
 # --- the XLA step report -----------------------------------------------------------------

@@ -415,7 +415,11 @@ class MasterOptimizer(torch.optim.Optimizer):
             if "param_names" in group:
                 g["params"] = list(zip(group["param_names"], group["params"]))
             groups.append(g)
-        return cls(groups, factory, strategy=strategy)
+        # Its defaults too, for the groups added later (add_param_group fills a group from
+        # them): without them a new group took mpfunc's factory defaults, lr 1e-3 and no
+        # momentum, where torch.optim gives the built values (found in review).
+        defaults = {k: torch_opt.defaults[k] for k in keys if k in torch_opt.defaults}
+        return cls(groups, factory, strategy=strategy, **defaults)
 
     # --- groups ---------------------------------------------------------------------------
 

@@ -156,6 +156,14 @@ _TABLE_CPU = {
 _TABLES: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
 
+def _entry(k: torch.Tensor, levels: int) -> torch.Tensor:
+    """The decode table's value of the float codes ``k`` (not the marks): ``k / (2L - |k|)``
+    for a map with ``L`` levels a side, one fp32 division, which is the table's entry bit
+    for bit (it is the correctly rounded quotient the float64 table rounds to;
+    tests/test_native_composed.py checks every entry). As ``Builder.entry`` on XLA."""
+    return k / (2.0 * levels - k.abs())
+
+
 def _table(signed: bool, device: torch.device) -> torch.Tensor:
     key = (signed, device)
     t = _TABLES.get(key)
@@ -279,11 +287,12 @@ def _round_stochastic(
     curved, and a rounding unbiased in ``t`` would inflate second moments step after step.
     """
     levels, low = (_S_LEVELS, -_S_LEVELS) if signed else (_U_LEVELS, 0)
-    lo = torch.floor(t * levels).clamp(low, levels - 1).to(torch.int32)
-    table = _table(signed, y.device)
-    off = 128 if signed else 0
-    a = torch.index_select(table, 0, (lo + off).view(-1)).view(lo.shape)
-    b = torch.index_select(table, 0, (lo + (off + 1)).view(-1)).view(lo.shape)
+    lo = torch.floor(t * levels).clamp(low, levels - 1)
+    # The two table entries around t, each by the one fp32 division the table holds
+    # (``_entry``, bit for bit): no table gather. Gathered, a compiled step's kernel failed
+    # inductor's bounds check on the index after the step had written (found in review).
+    a, b = _entry(lo, levels), _entry(lo + 1.0, levels)
+    lo = lo.to(torch.int32)
     value = y
     if not signed:
         value, a, b = square(y), square(a), square(b)
