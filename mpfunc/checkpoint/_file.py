@@ -557,7 +557,6 @@ def save(path: PathLike, tree: Any) -> None:
     folder, base = os.path.split(target)
     _remove_stale(folder)
     fd, tmp = _create_temp(fn, where, folder, base)
-    w: _CrcWriter | None = None
     try:
         _keep_mode(fd, target)
         with os.fdopen(fd, "wb") as f:

@@ -30,6 +30,7 @@ from mpfunc.backends import _native, _plan, _xla_kernels
 from mpfunc.core import _checks
 from mpfunc.core._checks import LRArg
 from mpfunc.core._optimizer import Group, Optimizer, Rule, TensorList, unless_skipped
+from mpfunc.core._tensors import compute_dtype
 from mpfunc.state_formats import _state_format
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -137,10 +138,8 @@ def _in_compute(steps: list[torch.Tensor], params: TensorList) -> list[torch.Ten
     torch.optim computes them (Python floats). In float32 they put a relative error of
     ~6e-8 into every step of a float64 leaf (1.1e-9 after one AdamW step at lr 1e-2:
     found by tests/test_float64_layouts.py, on every path but torch's fused kernel)."""
-    return [
-        t.to(torch.float64) if p.dtype == torch.float64 and t.dtype != p.dtype else t
-        for t, p in zip(steps, params)
-    ]
+    wants = [compute_dtype(p.dtype) for p in params]
+    return [t if t.dtype == want else t.to(want) for t, want in zip(steps, wants)]
 
 
 def _bias_terms(
